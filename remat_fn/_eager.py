@@ -1,0 +1,193 @@
+"""The eager path: plain autograd with saved-tensor hooks.
+
+During the forward, every tensor autograd wants to save is replaced by a small
+handle (:class:`_Handle`); nothing but the handle is kept.  The first time
+backward unpacks a handle of a region, the region is run again under
+``torch.enable_grad()`` with hooks that capture the re-saved tensors by
+position, stopping as soon as the last still-needed one has been rebuilt
+(early stop).  Each recomputed tensor is handed out once and dropped, so it is
+freed as soon as backward has consumed it; a second backward through a
+retained graph recomputes again.  Because the recomputation runs the real
+function on the real (non-detached) inputs, tensors the function closes over,
+``create_graph=True`` and higher-order derivatives need no special care.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
+from ._rng_state import RNGSnapshot
+
+__all__ = ["eager_call"]
+
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+
+
+class _StopRecompute(Exception):
+    pass
+
+
+class _Handle:
+    __slots__ = ("idx", "__weakref__")
+
+    def __init__(self, idx: int):
+        self.idx = idx
+
+
+class _Frame:
+    """One forward call of one region."""
+
+    __slots__ = (
+        "fun", "args", "kwargs", "name", "rng", "meta", "handles", "recomputed",
+        "debug", "fwd_trace",
+    )
+
+    def __init__(self, fun, args, kwargs, name, debug):
+        self.fun = fun
+        self.args = args
+        self.kwargs = kwargs
+        self.name = name
+        self.rng: RNGSnapshot | None = None
+        self.meta: list[tuple] = []
+        self.handles: list[weakref.ref] = []
+        self.recomputed: dict[int, torch.Tensor] = {}
+        self.debug = debug
+        self.fwd_trace: list[str] | None = None
+
+    # -- forward -------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> _Handle:
+        h = _Handle(len(self.meta))
+        self.meta.append((t.shape, t.dtype, t.device, t._version))
+        self.handles.append(weakref.ref(h))
+        return h
+
+    def unpack(self, h: _Handle) -> torch.Tensor:
+        t = self.recomputed.pop(h.idx, None)
+        if t is None:
+            self.recompute()
+            t = self.recomputed.pop(h.idx)
+        return t
+
+    # -- backward ------------------------------------------------------------
+    def recompute(self) -> None:
+        handles = self.handles
+        recomputed = self.recomputed
+        needed = [i for i, w in enumerate(handles) if i not in recomputed and w() is not None]
+        if not needed:  # pragma: no cover - unpack only happens for live handles
+            return
+        last = needed[-1]
+        meta = self.meta
+        counter = [0]
+        arg_ids: set[int] | None = None
+
+        def rpack(t: torch.Tensor):
+            nonlocal arg_ids
+            i = counter[0]
+            counter[0] = i + 1
+            if i >= len(meta):
+                self._mismatch(f"more tensors were saved than the {len(meta)} of the forward")
+            shape, dtype, device, version = meta[i]
+            if t.shape != shape or t.dtype != dtype or t.device != device:
+                self._mismatch(
+                    f"saved tensor #{i} is {_desc(t.shape, t.dtype, t.device)} on recompute but "
+                    f"was {_desc(shape, dtype, device)} in the forward"
+                )
+            if t._version != version:
+                if arg_ids is None:
+                    import optree
+
+                    arg_ids = {
+                        id(x) for x in optree.tree_leaves((self.args, self.kwargs))
+                        if isinstance(x, torch.Tensor)
+                    }
+                if t.requires_grad or id(t) in arg_ids:
+                    raise MutatedSavedTensorError(
+                        f"A tensor {_desc(shape, dtype, device)} needed to recompute "
+                        f"remat({self.name}) was modified in place after the forward (its version "
+                        f"went from {version} to {t._version}). Fix: clone it before modifying it "
+                        "(x = x.clone()), or apply the in-place update after the backward pass."
+                    )
+            if handles[i]() is not None:
+                recomputed[i] = t
+            if i == last:
+                raise _StopRecompute
+            return None
+
+        def runpack(_):  # pragma: no cover - nothing unpacks during recompute
+            raise RematError("internal: a tensor was unpacked during recomputation")
+
+        trace = None
+        rng = self.rng
+        _push_hooks(rpack, runpack)
+        try:
+            with torch.enable_grad():
+                if rng is not None:
+                    rng.__enter__()
+                try:
+                    if self.debug:
+                        from ._debug import OpTrace
+
+                        with OpTrace() as trace:
+                            self.fun(*self.args, **self.kwargs)
+                    else:
+                        self.fun(*self.args, **self.kwargs)
+                except _StopRecompute:
+                    pass
+                finally:
+                    if rng is not None:
+                        rng.__exit__(None, None, None)
+        finally:
+            _pop_hooks()
+        if counter[0] <= last:
+            self._mismatch(
+                f"only {counter[0]} tensors were saved on recompute but the forward saved "
+                f"{len(meta)}", trace,
+            )
+
+    def _mismatch(self, what: str, trace=None):
+        msg = (
+            f"Recomputing remat({self.name}) did not reproduce the forward: {what}. The region "
+            "must run the same ops on tensors of the same shapes each time: make control flow "
+            "depend only on its arguments and not on global state, and keep "
+            "preserve_rng_state=True (or use remat_fn.random keys) for random ops."
+        )
+        if self.debug and self.fwd_trace is not None:
+            from ._debug import format_traces
+
+            msg += "\n" + format_traces(self.fwd_trace, trace.ops if trace is not None else None)
+        elif not self.debug:
+            msg += " Pass debug=True to see the op traces of both runs."
+        raise RecomputeMismatchError(msg)
+
+
+def _desc(shape, dtype, device) -> str:
+    from ._format import short_dtype
+
+    return f"{short_dtype(dtype)}[{','.join(str(s) for s in shape)}] on {device}"
+
+
+def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bool,
+               devices: list[torch.device]) -> Any:
+    """Run ``fun`` so that its saved tensors are recomputed in backward."""
+    frame = _Frame(fun, args, kwargs, name, debug)
+    snap = RNGSnapshot(devices) if preserve_rng_state else None
+    _push_hooks(frame.pack, frame.unpack)
+    try:
+        if debug:
+            from ._debug import OpTrace
+
+            with OpTrace() as tr:
+                out = fun(*args, **kwargs)
+            frame.fwd_trace = tr.ops
+        else:
+            out = fun(*args, **kwargs)
+    finally:
+        _pop_hooks()
+    if snap is not None and snap.finish():
+        frame.rng = snap
+    return out

@@ -1,0 +1,31 @@
+"""Exceptions raised by remat_fn. Every message names the fix."""
+
+from __future__ import annotations
+
+__all__ = [
+    "RematError",
+    "RecomputeMismatchError",
+    "MutatedSavedTensorError",
+    "PolicyError",
+]
+
+
+class RematError(RuntimeError):
+    """Base class of every error raised by :mod:`remat_fn`."""
+
+
+class RecomputeMismatchError(RematError):
+    """The recomputation produced different tensors from the original forward.
+
+    Raised when the number, shape, dtype or device of the tensors saved (or
+    returned) during recomputation differs from the first run. With
+    ``debug=True`` the message lists both op traces with user source lines.
+    """
+
+
+class MutatedSavedTensorError(RematError):
+    """A tensor needed to recompute the region was modified in place after forward."""
+
+
+class PolicyError(RematError):
+    """A policy returned an invalid decision or was configured inconsistently."""

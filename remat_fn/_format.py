@@ -1,0 +1,37 @@
+"""Small formatting helpers shared by error messages and residual printing."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import torch
+
+__all__ = ["short_dtype", "user_frame"]
+
+_SHORT = {
+    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
+    torch.uint8: "u8", torch.bool: "bool", torch.complex64: "c64", torch.complex128: "c128",
+}
+
+_LIB_DIRS = tuple(
+    os.path.dirname(m.__file__) + os.sep
+    for m in (torch, sys.modules[__name__.rsplit(".", 1)[0]])
+    if getattr(m, "__file__", None)
+)
+
+
+def short_dtype(dtype: torch.dtype) -> str:
+    return _SHORT.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def user_frame() -> str:
+    """``file:line (function)`` of the innermost stack frame outside torch and remat_fn."""
+    for fr in reversed(traceback.extract_stack()):
+        f = fr.filename
+        if f.startswith(_LIB_DIRS) or f.startswith("<frozen") or "/optree/" in f:
+            continue
+        return f"{os.path.basename(f)}:{fr.lineno} ({fr.name})"
+    return "<unknown>"

@@ -1,0 +1,235 @@
+"""The ``torch.func`` path: an ``autograd.Function`` that recomputes in backward.
+
+torch refuses saved-tensor hooks under ``torch.func.grad``/``vjp``/``jacrev``,
+so when a functorch transform is active the region runs inside
+:class:`_RematFunction`:
+
+* ``forward`` runs the region once with no graph recorded and returns its
+  tensor outputs; only the inputs (and captured tensors) are saved.
+* ``backward`` recomputes the region with ``torch.func.vjp`` and applies the
+  cotangents; ``jvp`` recomputes with ``torch.func.jvp``.  Both compose with
+  every functorch level (``generate_vmap_rule`` covers ``vmap``).
+* Captured tensors (see :mod:`remat_fn._captures`) are extra inputs, so their
+  gradients are exact.
+* Memory under ``grad``: functorch differentiates with ``create_graph=True``,
+  which would keep every recomputed activation alive in the graph of the
+  gradient.  When no outer level can differentiate the result (no other live
+  grad level wraps the saved tensors or cotangents, and no base tensor
+  requires grad) the recomputation and its vjp run under ``torch.no_grad()``
+  (the inner ``vjp`` still differentiates), so each block's recomputed
+  activations are freed as soon as its backward finishes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+from ._captures import CaptureMode, MissedCapture, describe, needs_grad
+from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
+from ._rng_state import RNGSnapshot
+
+__all__ = ["functional_call"]
+
+_F = torch._C._functorch
+_GRAD_KEYS = (_F.TransformType.Grad, _F.TransformType.Jvp)
+
+
+class _Spec:
+    """Everything the Function needs that is not a tensor input."""
+
+    __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug")
+
+    def __init__(self, run, n_in, captured, name, debug):
+        self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
+        self.n_in = n_in
+        self.captured = captured
+        self.rng: RNGSnapshot | None = None
+        self.out_meta: list[tuple] | None = None
+        self.out_box: list = []
+        self.name = name
+        self.debug = debug
+
+    def call(self, tensors, known: set[int] | None):
+        """Run the region on ``tensors`` (inputs then captured replacements)."""
+        n = self.n_in
+        subst = {id(o): r for o, r in zip(self.captured, tensors[n:])}
+        if subst or known is not None:
+            with CaptureMode(subst, known):
+                return self.run(list(tensors[:n]))
+        return self.run(list(tensors[:n]))
+
+
+def _is_diff(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype, t.device)
+
+
+class _RematFunction(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(spec: _Spec, *tensors: torch.Tensor):
+        known = {id(t) for t in tensors}
+        outs, rebuild = spec.call(tensors, known)
+        inputs = set(id(t) for t in tensors)
+        # An output that *is* an input would be aliased by autograd; return a view.
+        outs = tuple(o.view_as(o) if id(o) in inputs else o for o in outs)
+        spec.out_box.append(rebuild)
+        spec.out_meta = [_meta(o) for o in outs]
+        return outs
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        spec = inputs[0]
+        ctx.spec = spec
+        ctx.save_for_backward(*inputs[1:])
+        ctx.save_for_forward(*inputs[1:])
+        nd = [o for o in output if not _is_diff(o)]
+        if nd:
+            ctx.mark_non_differentiable(*nd)
+        ctx.out_diff = [_is_diff(o) for o in output]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        spec: _Spec = ctx.spec
+        tensors = _saved(ctx, spec)
+        wrt = [i for i, t in enumerate(tensors) if ctx.needs_input_grad[i + 1] and _is_diff(t)]
+        result: list[Any] = [None] * (len(tensors) + 1)
+        if not wrt:
+            return tuple(result)
+        out_diff = ctx.out_diff
+        cot = tuple(
+            g if g is not None else torch.zeros(m[0], dtype=m[1], device=m[2])
+            for g, m, d in zip(grads, spec.out_meta, out_diff)
+            if d
+        )
+
+        def f(*diff_inputs):
+            full = list(tensors)
+            for i, t in zip(wrt, diff_inputs):
+                full[i] = t
+            outs = _checked(spec, spec.call(full, None)[0])
+            return tuple(o for o, d in zip(outs, out_diff) if d)
+
+        detach = _can_drop_graph(tensors, grads)
+        with torch.no_grad() if detach else contextlib.nullcontext(), spec.rng or contextlib.nullcontext():
+            _, vjp_fn = torch.func.vjp(f, *[tensors[i] for i in wrt])
+            gin = vjp_fn(cot)
+        for i, g in zip(wrt, gin):
+            result[i + 1] = g
+        return tuple(result)
+
+    @staticmethod
+    def jvp(ctx, _spec_tangent, *tangents):
+        spec: _Spec = ctx.spec
+        tensors = _saved(ctx, spec)
+        wrt = [i for i, (t, tt) in enumerate(zip(tensors, tangents)) if tt is not None and _is_diff(t)]
+        out_diff = ctx.out_diff
+
+        def f(*diff_inputs):
+            full = list(tensors)
+            for i, t in zip(wrt, diff_inputs):
+                full[i] = t
+            outs = _checked(spec, spec.call(full, None)[0])
+            return tuple(o for o, d in zip(outs, out_diff) if d)
+
+        with spec.rng or contextlib.nullcontext():
+            _, touts = torch.func.jvp(f, tuple(tensors[i] for i in wrt), tuple(tangents[i] for i in wrt))
+        it = iter(touts)
+        return tuple(next(it) if d else None for d in out_diff)
+
+
+def _saved(ctx, spec: _Spec):
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as e:
+        if "inplace" in str(e) or "version" in str(e):
+            raise MutatedSavedTensorError(
+                f"An input of remat({spec.name}) (an argument or a tensor it closes over) was "
+                "modified in place after the forward, so it can no longer be recomputed. Fix: "
+                "clone the tensor before modifying it (x = x.clone()), or apply the in-place "
+                f"update after the backward pass.\n(autograd said: {e})"
+            ) from None
+        raise
+
+
+def _checked(spec: _Spec, outs):
+    meta = spec.out_meta
+    if len(outs) != len(meta) or any(_meta(o) != m for o, m in zip(outs, meta)):
+        got = [_meta(o) for o in outs]
+        raise RecomputeMismatchError(
+            f"Recomputing remat({spec.name}) returned tensors {got} but the forward returned "
+            f"{meta}. The function must be deterministic in its tensor structure: make shapes "
+            "and control flow depend only on its arguments (pass Python values through "
+            "static_argnums/static_argnames), not on global state."
+        )
+    return outs
+
+
+def _levels(t: torch.Tensor):
+    """Yield (level, is_grad_wrapper) from the outside in, then (None, base)."""
+    while _F.is_functorch_wrapped_tensor(t):
+        yield _F.maybe_get_level(t), bool(_F.is_gradtrackingtensor(t))
+        t = _F.get_unwrapped(t)
+    yield None, t
+
+
+def _can_drop_graph(saved, grads) -> bool:
+    """True when nothing outside this backward can differentiate its result."""
+    if not torch.is_grad_enabled():
+        return False  # already not recording; nothing to gain
+    live = {i.level(): i.key() for i in _F.get_interpreter_stack() or ()}
+    chains = [list(_levels(t)) for t in (*saved, *grads) if isinstance(t, torch.Tensor)]
+    grad_levels = [lv for ch in chains for lv, g in ch[:-1] if g]
+    if not grad_levels:
+        return False
+    this = max(grad_levels)
+    for ch in chains:
+        for lv, g in ch[:-1]:
+            if g and lv != this and live.get(lv) in _GRAD_KEYS:
+                return False
+        if ch[-1][1].requires_grad:
+            return False
+    return True
+
+
+def functional_call(
+    spec_run: Callable,
+    inputs: list[torch.Tensor],
+    exclude_ids: set[int],
+    fun: Any,
+    name: str,
+    preserve_rng_state: bool,
+    debug: bool,
+    devices: list[torch.device],
+):
+    """Apply the region under functorch. Returns (out_tensors, rebuild)."""
+    from ._captures import find_captured
+
+    captured = find_captured(fun, exclude_ids)
+    snap = RNGSnapshot(devices) if preserve_rng_state else None
+    for _ in range(10_000):
+        spec = _Spec(spec_run, len(inputs), captured, name, debug)
+        try:
+            outs = _RematFunction.apply(spec, *inputs, *captured)
+        except MissedCapture as e:
+            t = e.tensor
+            if any(t is c for c in captured):  # pragma: no cover - defensive
+                raise RematError(
+                    f"remat({name}): the tensor {describe(t)} it closes over could not be threaded "
+                    "through the torch.func path. Fix: pass it as an explicit argument."
+                ) from None
+            captured = [*captured, t]
+            if snap is not None:
+                snap.restore_now()
+            continue
+        break
+    if snap is not None and snap.finish():
+        spec.rng = snap
+    return outs, spec.out_box[-1]

@@ -1,0 +1,125 @@
+"""A live-tensor-bytes meter that works on CPU and inside ``torch.func``.
+
+CPU tensors have no allocator statistics, so :class:`LiveBytes` counts for
+itself: a ``TorchDispatchMode`` sees the output of every op (below autograd
+and below the functorch layers, so on the real, unwrapped tensors), adds the
+bytes of each new storage once, and subtracts them when the last tensor
+object referring to that storage is garbage collected.  ``live`` is the bytes
+currently held by tensors created inside the meter; ``peak`` the maximum.
+Tensors that existed before the meter was entered are not counted.
+
+>>> import torch
+>>> from remat_fn.memory import LiveBytes
+>>> with LiveBytes() as m:
+...     y = torch.ones(1024) * 2      # 4 KiB
+...     z = y.view(32, 32)            # a view: no new storage
+>>> m.live
+4096
+>>> del y, z
+>>> m.live
+0
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["LiveBytes", "MiB"]
+
+MiB = 1 << 20
+
+
+class _Counter:
+    __slots__ = ("live", "peak", "refs", "sizes")
+
+    def __init__(self):
+        self.live = 0
+        self.peak = 0
+        self.refs: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        try:
+            st = t.untyped_storage()
+            key = st.data_ptr()
+            nbytes = st.nbytes()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return
+        if nbytes == 0 or t.device.type == "meta":
+            return
+        n = self.refs.get(key)
+        if n is None:
+            self.refs[key] = 1
+            self.sizes[key] = nbytes
+            self.live += nbytes
+            if self.live > self.peak:
+                self.peak = self.live
+        else:
+            self.refs[key] = n + 1
+        weakref.finalize(t, self.drop, key)
+
+    def drop(self, key: int) -> None:
+        n = self.refs.get(key)
+        if n is None:
+            return
+        if n == 1:
+            del self.refs[key]
+            self.live -= self.sizes.pop(key)
+        else:
+            self.refs[key] = n - 1
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, counter: _Counter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.counter.add(t)
+        return out
+
+
+class LiveBytes:
+    """Context manager measuring live and peak bytes of tensors created inside it.
+
+    The counts stay readable (and keep decreasing as tensors die) after exit.
+    """
+
+    def __init__(self) -> None:
+        self._c = _Counter()
+        self._mode: _Mode | None = None
+
+    @property
+    def live(self) -> int:
+        """Bytes currently held by tensors created while the meter was active."""
+        gc.collect()
+        return self._c.live
+
+    @property
+    def peak(self) -> int:
+        """Highest ``live`` value seen so far."""
+        return self._c.peak
+
+    def reset_peak(self) -> None:
+        gc.collect()
+        self._c.peak = self._c.live
+
+    def __enter__(self) -> "LiveBytes":
+        gc.collect()
+        self._mode = _Mode(self._c)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._mode is not None
+        self._mode.__exit__(*exc)
+        self._mode = None
