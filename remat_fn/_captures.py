@@ -21,6 +21,7 @@ is silently dropped.  This module
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from typing import Any
@@ -28,11 +29,11 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["needs_grad", "find_captured", "CaptureMode", "MissedCapture", "describe"]
+__all__ = ["needs_grad", "scan", "Scan", "CaptureMode", "MissedCapture", "describe"]
 
 _F = torch._C._functorch
 _SKIP_MODULE_PREFIXES = ("torch", "optree", "remat_fn", "numpy", "builtins", "functools")
-_MAX_DEPTH = 5
+_MAX_DEPTH = 6
 
 
 def needs_grad(t: torch.Tensor) -> bool:
@@ -70,22 +71,77 @@ def _code_names(code: types.CodeType) -> list[str]:
     return names
 
 
-def find_captured(fn: Any, exclude: set[int]) -> list[torch.Tensor]:
-    """Tensors reachable from ``fn`` that need a gradient and are not in ``exclude``.
+class Scan:
+    """What a callable reaches: its tensors and the places they were found.
 
-    ``exclude`` holds ``id()`` of the tensors already passed as arguments.
+    ``places`` are ``(container, key, tensor)`` with ``container`` a dict
+    (a module's ``_parameters``/``_buffers``/``__dict__``, a function's
+    globals) or a closure cell (``key`` is ``None``).  ``relocated()``
+    temporarily puts every tensor back where it was found, so a recomputation
+    that runs after ``torch.func.functional_call`` has restored the module's
+    own parameters still sees the tensors the forward used.
     """
-    found: dict[int, torch.Tensor] = {}
+
+    __slots__ = ("tensors", "places")
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.places: list[tuple[Any, Any, torch.Tensor]] = []
+
+    def captured(self, exclude: set[int]) -> list[torch.Tensor]:
+        """The reachable tensors that need a gradient and are not in ``exclude``."""
+        return [t for i, t in self.tensors.items() if i not in exclude and needs_grad(t)]
+
+    @contextlib.contextmanager
+    def relocated(self):
+        undo = []
+        try:
+            for container, key, t in self.places:
+                if key is None:
+                    try:
+                        cur = container.cell_contents
+                    except ValueError:
+                        cur = _EMPTY
+                    if cur is not t:
+                        container.cell_contents = t
+                        undo.append((container, key, cur))
+                elif container.get(key, _EMPTY) is not t:
+                    undo.append((container, key, container.get(key, _EMPTY)))
+                    container[key] = t
+            yield
+        finally:
+            for container, key, old in reversed(undo):
+                if key is None:
+                    if old is _EMPTY:
+                        del container.cell_contents
+                    else:
+                        container.cell_contents = old
+                elif old is _EMPTY:
+                    container.pop(key, None)
+                else:
+                    container[key] = old
+
+
+_EMPTY = object()
+
+
+def scan(fn: Any) -> Scan:
+    """Find the tensors reachable from ``fn`` and where they live."""
+    res = Scan()
+    tensors = res.tensors
+    places = res.places
     seen: set[int] = set()
 
-    def add(t: torch.Tensor) -> None:
-        i = id(t)
-        if i not in exclude and i not in found and needs_grad(t):
-            found[i] = t
+    def put(container: Any, key: Any, t: torch.Tensor) -> None:
+        tensors.setdefault(id(t), t)
+        places.append((container, key, t))
 
-    def visit(obj: Any, depth: int) -> None:
+    def visit(obj: Any, depth: int, container: Any = None, key: Any = None) -> None:
         if isinstance(obj, torch.Tensor):
-            add(obj)
+            if container is not None:
+                put(container, key, obj)
+            else:
+                tensors.setdefault(id(obj), obj)
             return
         if depth > _MAX_DEPTH or obj is None or isinstance(obj, (int, float, str, bool, type)):
             return
@@ -94,14 +150,15 @@ def find_captured(fn: Any, exclude: set[int]) -> list[torch.Tensor]:
             return
         seen.add(oid)
         if isinstance(obj, torch.nn.Module):
-            for t in obj.parameters():
-                add(t)
-            for t in obj.buffers():
-                add(t)
             for sub in obj.modules():
-                for v in sub.__dict__.values():  # plain tensor attributes
+                for d in (sub._parameters, sub._buffers):
+                    for k, t in d.items():
+                        if t is not None:
+                            put(d, k, t)
+                d = sub.__dict__
+                for k, v in d.items():  # plain tensor attributes
                     if isinstance(v, torch.Tensor):
-                        add(v)
+                        put(d, k, v)
             fwd = getattr(type(obj), "forward", None)
             if isinstance(fwd, types.FunctionType) and _user_function(fwd):
                 visit_globals(fwd, depth + 1)
@@ -122,9 +179,10 @@ def find_captured(fn: Any, exclude: set[int]) -> list[torch.Tensor]:
                 return
             for cell in obj.__closure__ or ():
                 try:
-                    visit(cell.cell_contents, depth + 1)
+                    v = cell.cell_contents
                 except ValueError:  # empty cell
-                    pass
+                    continue
+                visit(v, depth + 1, cell, None)
             for d in obj.__defaults__ or ():
                 visit(d, depth + 1)
             for d in (obj.__kwdefaults__ or {}).values():
@@ -136,15 +194,15 @@ def find_captured(fn: Any, exclude: set[int]) -> list[torch.Tensor]:
                 visit(v, depth + 1)
             return
         if isinstance(obj, dict):
-            for v in obj.values():
-                visit(v, depth + 1)
+            for k, v in obj.items():
+                visit(v, depth + 1, obj if isinstance(v, torch.Tensor) else None, k)
             return
         if isinstance(obj, types.ModuleType) or not _user_function(type(obj)):
             return
         d = getattr(obj, "__dict__", None)  # callable objects, dataclasses, ...
-        if d is not None:
-            for v in d.values():
-                visit(v, depth + 1)
+        if isinstance(d, dict):
+            for k, v in d.items():
+                visit(v, depth + 1, d if isinstance(v, torch.Tensor) else None, k)
             call = getattr(type(obj), "__call__", None)
             if isinstance(call, types.FunctionType):
                 visit(call, depth + 1)
@@ -154,10 +212,10 @@ def find_captured(fn: Any, exclude: set[int]) -> list[torch.Tensor]:
         for name in _code_names(fn.__code__):
             v = g.get(name)
             if v is not None and not isinstance(v, (types.ModuleType, type)):
-                visit(v, depth)
+                visit(v, depth, g, name)
 
     visit(fn, 0)
-    return list(found.values())
+    return res
 
 
 class MissedCapture(Exception):
@@ -182,11 +240,13 @@ class CaptureMode(TorchFunctionMode):
         super().__init__()
         self.subst = subst
         self.known = known
+        self.hits: set[int] = set()
 
     def _fix(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             r = self.subst.get(id(x))
             if r is not None:
+                self.hits.add(id(x))
                 return r
             known = self.known
             if known is not None and id(x) not in known and needs_grad(x):

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ._captures import scan
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._rng_state import RNGSnapshot
 
@@ -44,7 +45,7 @@ class _Frame:
 
     __slots__ = (
         "fun", "args", "kwargs", "name", "rng", "meta", "handles", "recomputed",
-        "debug", "fwd_trace",
+        "debug", "fwd_trace", "scan",
     )
 
     def __init__(self, fun, args, kwargs, name, debug):
@@ -58,6 +59,7 @@ class _Frame:
         self.recomputed: dict[int, torch.Tensor] = {}
         self.debug = debug
         self.fwd_trace: list[str] | None = None
+        self.scan = None
 
     # -- forward -------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Handle:
@@ -125,7 +127,7 @@ class _Frame:
         rng = self.rng
         _push_hooks(rpack, runpack)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), self.scan.relocated():
                 if rng is not None:
                     rng.__enter__()
                 try:
@@ -188,6 +190,11 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
             out = fun(*args, **kwargs)
     finally:
         _pop_hooks()
+    if frame.meta:
+        # Remember where the tensors the function reaches live, so that the
+        # recomputation sees the same ones even if (as with
+        # torch.func.functional_call) they are swapped back before backward.
+        frame.scan = scan((fun, args, kwargs))
     if snap is not None and snap.finish():
         frame.rng = snap
     return out

@@ -40,9 +40,9 @@ _GRAD_KEYS = (_F.TransformType.Grad, _F.TransformType.Jvp)
 class _Spec:
     """Everything the Function needs that is not a tensor input."""
 
-    __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug")
+    __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "scan", "fwd_hits")
 
-    def __init__(self, run, n_in, captured, name, debug):
+    def __init__(self, run, n_in, captured, name, debug, scan):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
         self.n_in = n_in
         self.captured = captured
@@ -51,15 +51,36 @@ class _Spec:
         self.out_box: list = []
         self.name = name
         self.debug = debug
+        self.scan = scan
+        self.fwd_hits: set[int] = set()
 
     def call(self, tensors, known: set[int] | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
+        if known is None:  # a recomputation: put functional_call's tensors back
+            with self.scan.relocated():
+                return self._call(tensors, known)
+        return self._call(tensors, known)
+
+    def _call(self, tensors, known):
         n = self.n_in
         subst = {id(o): r for o, r in zip(self.captured, tensors[n:])}
-        if subst or known is not None:
-            with CaptureMode(subst, known):
-                return self.run(list(tensors[:n]))
-        return self.run(list(tensors[:n]))
+        if not subst and known is None:
+            return self.run(list(tensors[:n]))
+        mode = CaptureMode(subst, known)
+        with mode:
+            out = self.run(list(tensors[:n]))
+        if known is not None:
+            self.fwd_hits = mode.hits
+        elif not self.fwd_hits <= mode.hits:
+            lost = [o for o in self.captured if id(o) in self.fwd_hits - mode.hits]
+            raise RematError(
+                f"remat({self.name}): the recomputation did not use the tensor "
+                f"{describe(lost[0])} that the forward used and that needs a gradient; its "
+                "gradient would be lost. It was probably reached through an object that changed "
+                "between forward and backward. Fix: pass the tensor to the function as an "
+                "argument instead of reaching it through an attribute."
+            )
+        return out
 
 
 def _is_diff(t: torch.Tensor) -> bool:
@@ -104,6 +125,8 @@ class _RematFunction(torch.autograd.Function):
         if not wrt:
             return tuple(result)
         out_diff = ctx.out_diff
+        detach = _can_drop_graph(ctx.saved_tensors, grads)
+        grads = tuple(_F.unwrap_if_dead(g) if g is not None else None for g in grads)
         cot = tuple(
             g if g is not None else torch.zeros(m[0], dtype=m[1], device=m[2])
             for g, m, d in zip(grads, spec.out_meta, out_diff)
@@ -117,7 +140,6 @@ class _RematFunction(torch.autograd.Function):
             outs = _checked(spec, spec.call(full, None)[0])
             return tuple(o for o, d in zip(outs, out_diff) if d)
 
-        detach = _can_drop_graph(tensors, grads)
         with torch.no_grad() if detach else contextlib.nullcontext(), spec.rng or contextlib.nullcontext():
             _, vjp_fn = torch.func.vjp(f, *[tensors[i] for i in wrt])
             gin = vjp_fn(cot)
@@ -147,7 +169,9 @@ class _RematFunction(torch.autograd.Function):
 
 def _saved(ctx, spec: _Spec):
     try:
-        return ctx.saved_tensors
+        # A vjp_fn called after its level exited hands us dead wrappers; a new
+        # level created inside this backward may reuse their level number.
+        return tuple(_F.unwrap_if_dead(t) for t in ctx.saved_tensors)
     except RuntimeError as e:
         if "inplace" in str(e) or "version" in str(e):
             raise MutatedSavedTensorError(
@@ -172,31 +196,43 @@ def _checked(spec: _Spec, outs):
     return outs
 
 
-def _levels(t: torch.Tensor):
-    """Yield (level, is_grad_wrapper) from the outside in, then (None, base)."""
+def _grad_wrappers(t: torch.Tensor):
+    """(level, dead) of each grad/jvp wrapper around ``t``, and the base tensor."""
+    out = []
     while _F.is_functorch_wrapped_tensor(t):
-        yield _F.maybe_get_level(t), bool(_F.is_gradtrackingtensor(t))
+        if _F.is_gradtrackingtensor(t):
+            out.append((_F.maybe_get_level(t), bool(_F.is_dead_tensor_wrapper(t))))
         t = _F.get_unwrapped(t)
-    yield None, t
+    return out, t
 
 
 def _can_drop_graph(saved, grads) -> bool:
-    """True when nothing outside this backward can differentiate its result."""
+    """True when nothing outside this backward can differentiate its result.
+
+    The backward being run belongs to one grad level: a dead one when it is a
+    ``vjp``/``jacrev`` ``vjp_fn`` called after its level exited, otherwise the
+    innermost live grad level wrapping the saved tensors.  Any *other* live
+    grad or jvp level wrapping the saved tensors or the cotangents, or a base
+    tensor that requires grad (eager autograd outside), may differentiate the
+    result, so the graph must be kept.
+    """
     if not torch.is_grad_enabled():
         return False  # already not recording; nothing to gain
     live = {i.level(): i.key() for i in _F.get_interpreter_stack() or ()}
-    chains = [list(_levels(t)) for t in (*saved, *grads) if isinstance(t, torch.Tensor)]
-    grad_levels = [lv for ch in chains for lv, g in ch[:-1] if g]
-    if not grad_levels:
-        return False
-    this = max(grad_levels)
-    for ch in chains:
-        for lv, g in ch[:-1]:
-            if g and lv != this and live.get(lv) in _GRAD_KEYS:
+    wrappers = []
+    for t in (*saved, *grads):
+        if isinstance(t, torch.Tensor):
+            ws, base = _grad_wrappers(t)
+            if base.requires_grad:
                 return False
-        if ch[-1][1].requires_grad:
-            return False
-    return True
+            wrappers.extend(ws)
+    if not wrappers:
+        return False
+    alive = [lv for lv, dead in wrappers if not dead and live.get(lv) in _GRAD_KEYS]
+    if any(dead for _, dead in wrappers):
+        return not alive
+    this = max(lv for lv, _ in wrappers)
+    return all(lv == this for lv in alive)
 
 
 def functional_call(
@@ -210,12 +246,13 @@ def functional_call(
     devices: list[torch.device],
 ):
     """Apply the region under functorch. Returns (out_tensors, rebuild)."""
-    from ._captures import find_captured
+    from ._captures import scan as scan_fn
 
-    captured = find_captured(fun, exclude_ids)
+    scan = scan_fn(fun)
+    captured = scan.captured(exclude_ids)
     snap = RNGSnapshot(devices) if preserve_rng_state else None
     for _ in range(10_000):
-        spec = _Spec(spec_run, len(inputs), captured, name, debug)
+        spec = _Spec(spec_run, len(inputs), captured, name, debug, scan)
         try:
             outs = _RematFunction.apply(spec, *inputs, *captured)
         except MissedCapture as e:

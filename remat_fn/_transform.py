@@ -258,7 +258,9 @@ def _functorch_call(fun, name, args, kwargs, argnums, argnames, preserve_rng_sta
         return tuple(oleaves[i] for i in opos), rebuild
 
     devices = devices_of(inputs) if (preserve_rng_state and _has_accelerator()) else []
+    others = [x for x in leaves if not isinstance(x, torch.Tensor)]
+    roots = (fun, others, static_args, static_kwargs)
     outs, rebuild = functional_call(
-        run, inputs, {id(t) for t in inputs}, fun, name, preserve_rng_state, debug, devices
+        run, inputs, {id(t) for t in inputs}, roots, name, preserve_rng_state, debug, devices
     )
     return rebuild(outs)

@@ -1,0 +1,29 @@
+"""Shared helpers for the test-suite: compare a transform of f and of remat(f)."""
+
+from __future__ import annotations
+
+import optree
+import torch
+
+
+def assert_tree_close(a, b, *, exact: bool = False, rtol=1e-6, atol=1e-7):
+    la, ta = optree.tree_flatten(a, none_is_leaf=True)
+    lb, tb = optree.tree_flatten(b, none_is_leaf=True)
+    assert ta == tb, f"tree structure differs: {ta} vs {tb}"
+    for x, y in zip(la, lb):
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor), (x, y)
+            assert x.shape == y.shape and x.dtype == y.dtype, (x.shape, y.shape, x.dtype, y.dtype)
+            if exact:
+                assert torch.equal(x, y), (x - y).abs().max()
+            else:
+                torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+        else:
+            assert x == y, (x, y)
+
+
+def grads_of(loss_fn, leaves):
+    """Eager gradients of ``loss_fn(*leaves)`` w.r.t. fresh leaf copies."""
+    xs = [x.detach().clone().requires_grad_(True) for x in leaves]
+    loss = loss_fn(*xs)
+    return torch.autograd.grad(loss, xs, allow_unused=True)

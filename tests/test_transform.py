@@ -1,0 +1,243 @@
+"""The public surface of remat: decorator forms, pytrees, statics, modules."""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import pytest
+import torch
+from torch.func import grad, vmap
+
+import remat_fn
+from remat_fn import remat
+
+from ._util import assert_tree_close
+
+Point = collections.namedtuple("Point", "x y")
+
+
+def f_doc(x):
+    """Docstring of f_doc."""
+    return x.sin()
+
+
+def test_decorator_forms_and_metadata():
+    a = remat(f_doc)
+    b = remat()(f_doc)
+    c = remat(preserve_rng_state=False)(f_doc)
+
+    @remat
+    def d(x):
+        return x.sin()
+
+    @remat(static_argnums=1)
+    def e(x, n):
+        return x.sin() * n
+
+    x = torch.randn(3)
+    for g in (a, b, c):
+        assert g.__name__ == "f_doc" and g.__doc__ == "Docstring of f_doc."
+        assert g.__wrapped__ is f_doc
+        assert torch.equal(g(x), f_doc(x))
+    assert torch.equal(d(x), x.sin())
+    assert torch.equal(e(x, 3), x.sin() * 3)
+    assert remat_fn.checkpoint is remat
+
+
+def test_pytree_inputs_and_outputs_mixed_leaves():
+    def f(tree, scale, *, extra):
+        p = tree["p"]
+        return {
+            "sum": (p.x * p.y).sin() * scale + extra[0],
+            "list": [tree["w"].cos(), None, "tag", 3],
+            "int": torch.arange(3),
+            "pt": Point(p.x.exp(), p.y),
+        }
+
+    rf = remat(f)
+    tree = {"p": Point(torch.randn(4), torch.randn(4)), "w": torch.randn(2)}
+    extra = (torch.randn(4),)
+    assert_tree_close(rf(tree, 2.0, extra=extra), f(tree, 2.0, extra=extra), exact=True)
+
+    def loss(fn):
+        def l(tree, extra):
+            out = fn(tree, 2.0, extra=extra)
+            return out["sum"].sum() + out["list"][0].sum() + out["pt"].x.sum()
+        return l
+
+    assert_tree_close(grad(loss(rf), argnums=(0, 1))(tree, extra), grad(loss(f), argnums=(0, 1))(tree, extra))
+    # eager
+    leaves = [tree["p"].x, tree["p"].y, tree["w"], extra[0]]
+
+    def eager(fn):
+        xs = [t.clone().requires_grad_() for t in leaves]
+        t2 = {"p": Point(xs[0], xs[1]), "w": xs[2]}
+        loss(fn)(t2, (xs[3],)).backward()
+        return [x.grad for x in xs]
+
+    assert_tree_close(eager(rf), eager(f))
+
+
+def test_integer_and_non_tensor_outputs_under_grad():
+    def f(x):
+        return x.sin().sum(), torch.argmax(x), "label", None
+
+    rf = remat(f)
+    x = torch.randn(5)
+    def loss(fn):
+        def l(x):
+            s, i, label, none = fn(x)
+            assert label == "label" and none is None
+            return s, i
+        return l
+
+    g1, aux1 = grad(loss(f), has_aux=True)(x)
+    g2, aux2 = grad(loss(rf), has_aux=True)(x)
+    assert aux2.dtype == torch.int64
+    assert_tree_close((g1, aux1), (g2, aux2))
+
+
+def test_output_that_is_an_input():
+    def f(x, y):
+        return x, y * 2
+
+    rf = remat(f)
+    x, y = torch.randn(3), torch.randn(3)
+    assert_tree_close(grad(lambda x, y: sum(o.sum() for o in rf(x, y)), argnums=(0, 1))(x, y),
+                      (torch.ones(3), torch.full((3,), 2.0)))
+    xr = x.clone().requires_grad_()
+    out = rf(xr, y)
+    out[0].sum().backward()
+    assert torch.equal(xr.grad, torch.ones(3))
+
+
+def test_static_argnums_and_argnames():
+    def f(x, n, *, mode):
+        for _ in range(n):
+            x = x.sin() if mode == "sin" else x.cos()
+        return x
+
+    rf = remat(f, static_argnums=(1,), static_argnames=("mode",))
+    x = torch.randn(3)
+    for mode in ("sin", "cos"):
+        assert_tree_close(grad(lambda x: rf(x, 3, mode=mode).sum())(x),
+                          grad(lambda x: f(x, 3, mode=mode).sum())(x))
+    # negative index
+    rf2 = remat(f, static_argnums=-1)
+    assert_tree_close(grad(lambda x: rf2(x, 2, mode="sin").sum())(x), grad(lambda x: f(x, 2, mode="sin").sum())(x))
+
+
+def test_static_argnums_errors_name_the_fix():
+    rf = remat(lambda x, n: x * n, static_argnums=(3,))
+    with pytest.raises(ValueError, match="static_argnums"):
+        grad(lambda x: rf(x, 2).sum())(torch.randn(2))
+    with pytest.raises(ValueError, match="static_argnums"):
+        rf(torch.randn(2, requires_grad=True), 2)
+    with pytest.raises(ValueError, match="not a parameter"):
+        remat(lambda x: x, static_argnames=("nope",))
+    with pytest.raises(TypeError, match="static_argnums"):
+        remat(lambda x: x, static_argnums="0")
+    with pytest.raises(TypeError, match="callable"):
+        remat(3)
+
+
+def test_static_tensor_requiring_grad_is_refused():
+    rf = remat(lambda x, w: x * w, static_argnums=1)
+    w = torch.randn(3, requires_grad=True)
+    with pytest.raises(remat_fn.RematError, match="static"):
+        vmap(rf, in_dims=(0, None))(torch.randn(2, 3), w)
+
+
+class MLP(torch.nn.Module):
+    """A tiny MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 8)
+        self.b = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+    def half(self, x):
+        return self.forward(x) / 2
+
+
+def test_modules_and_bound_methods():
+    torch.manual_seed(0)
+    m = MLP()
+    x = torch.randn(3, 4)
+    rm = remat(m)
+    assert rm.__name__ == "MLP" and rm.__wrapped__ is m
+    rh = remat(m.half)
+    params = dict(m.named_parameters())
+    for plain, wrapped in ((m, rm), (m.half, rh)):
+        ref = grad(lambda p: torch.func.functional_call(m, p, (x,)).sum() if plain is m
+                   else (torch.func.functional_call(m, p, (x,)) / 2).sum())(params)
+        got = grad(lambda p: _swap_call(m, p, wrapped, x).sum())(params)
+        assert_tree_close(got, ref)
+    # eager
+    m.zero_grad()
+    rm(x).sum().backward()
+    g1 = {k: v.grad.clone() for k, v in m.named_parameters()}
+    m.zero_grad()
+    m(x).sum().backward()
+    assert_tree_close(g1, {k: v.grad for k, v in m.named_parameters()})
+
+
+def _swap_call(m, p, wrapped, x):
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    with _reparametrize_module(m, p):
+        return wrapped(x)
+
+
+def test_method_decorator_in_class():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        @remat
+        def forward(self, x):
+            return torch.relu(self.lin(x)) + x
+
+    torch.manual_seed(0)
+    blk = Block()
+    x = torch.randn(2, 3)
+    params = dict(blk.named_parameters())
+    got = grad(lambda p: torch.func.functional_call(blk, p, (x,)).sum())(params)
+    ref = grad(lambda p: (torch.relu(torch.nn.functional.linear(x, p["lin.weight"], p["lin.bias"])) + x).sum())(params)
+    assert_tree_close(got, ref)
+
+
+def test_no_grad_calls_function_directly():
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return x * 2
+
+    with torch.no_grad():
+        y = remat(f)(torch.randn(2, requires_grad=True))
+    assert not y.requires_grad and len(calls) == 1
+
+
+def test_partial_and_callable_object_closures_get_gradients():
+    w = torch.randn(3)
+
+    def f(x, w):
+        return (x * w).sin().sum()
+
+    class Obj:
+        def __init__(self, w):
+            self.w = w
+
+        def __call__(self, x):
+            return (x * self.w).sin().sum()
+
+    x = torch.randn(3)
+    ref = grad(lambda w: f(x, w))(w)
+    assert_tree_close(grad(lambda w: remat(functools.partial(f, w=w))(x))(w), ref)
+    assert_tree_close(grad(lambda w: remat(Obj(w))(x))(w), ref)
