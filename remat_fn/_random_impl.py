@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 __all__: list[str] = []  # private module: nothing is re-exported from here
@@ -164,6 +165,7 @@ class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.generators: dict[torch.device, torch.Generator] = {}
         self.scratch: torch.Generator | None = None
+        self.buffer: Tensor | None = None
 
 
 _tls = _ThreadState()
@@ -193,29 +195,31 @@ def seed64(k0: int, k1: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def cpu_state(k0: int, k1: int) -> Tensor:
-    """MT19937 state (as a `Generator.set_state` byte tensor) for a key.
+    """MT19937 state for a key (LRU-cached for 256 keys: under `remat` every key
+    is used again in the recompute)."""
+    return cpu_state_from_seed(seed64(k0, k1))
+
+
+def cpu_state_from_seed(s: int) -> Tensor:
+    """MT19937 state (a `Generator.set_state` byte tensor) from a 64-bit seed.
 
     The 624 state words are ``(A[i] + B[i]) mod 2**32`` where ``A`` and ``B`` are
-    the first 624 outputs of MT19937 seeded with the two 32-bit halves ``s0`` and
-    ``s1 ^ 0x9E3779B9`` of the Threefry-derived seed. Every word depends on all 64
-    seed bits, the sum is not GF(2)-linear (unlike MT itself), and keys that
-    share one seed half still get states that differ in every word. Cached
-    (LRU, 256 keys): under `remat` each key is used again in the recompute.
+    the first 624 outputs of MT19937 seeded with the two 32-bit halves
+    ``s >> 32`` and ``(s & 0xFFFFFFFF) ^ 0x9E3779B9``. Every word depends on all
+    64 seed bits, the sum is not GF(2)-linear (unlike MT itself), and seeds
+    that share one half still get states that differ in every word.
     """
-    s = seed64(k0, k1)
-    s0, s1 = s >> 32, s & MASK32
-    scratch = _tls.scratch
+    tls = _tls
+    scratch = tls.scratch
     if scratch is None:
-        scratch = _tls.scratch = torch.Generator(device="cpu")
-    scratch.manual_seed(s0)
-    a = torch.empty(_MT_N, dtype=torch.int64).random_(0, 1 << 32, generator=scratch)
-    scratch.manual_seed(s1 ^ _SECOND_HALF_TWEAK)
-    b = torch.empty(_MT_N, dtype=torch.int64).random_(0, 1 << 32, generator=scratch)
-    a.add_(b).bitwise_and_(MASK32)
+        scratch = tls.scratch = torch.Generator(device="cpu")
+        tls.buffer = torch.empty(_MT_N, dtype=torch.int64)
     state = _cpu_state_template().clone()
-    words = state.view(torch.int64)
-    words[_STATE_WORDS] = a
-    words[0] = s - (1 << 64) if s >= 1 << 63 else s  # reported by initial_seed()
+    words = state.view(torch.int64)[_STATE_WORDS]
+    scratch.manual_seed(s >> 32)
+    words.random_(0, 1 << 32, generator=scratch)
+    scratch.manual_seed((s & MASK32) ^ _SECOND_HALF_TWEAK)
+    words.add_(tls.buffer.random_(0, 1 << 32, generator=scratch)).bitwise_and_(MASK32)
     return state
 
 
@@ -249,7 +253,7 @@ def _loop_over_keys(op: Any, dtype_of_empty: Any) -> Any:
     unbatched kernel once per key and stack (exact by construction)."""
 
     def rule(info: Any, in_dims: tuple[Any, ...], key: Tensor, *args: Any) -> Any:
-        if any(d is not None for d in in_dims[1:]):  # pragma: no cover - no tensor args
+        if any(d is not None for d in pytree.tree_leaves(in_dims[1:])):  # pragma: no cover
             raise ValueError("remat_fn.random: only the key may be batched here")
         kdim = in_dims[0]
         if kdim is None:
@@ -266,6 +270,18 @@ def _loop_over_keys(op: Any, dtype_of_empty: Any) -> Any:
 
 def _empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def _vectorisable(keys: Tensor) -> bool:
+    # The vectorised Threefry reads key values (range check), so it needs a
+    # plain (B, 2) tensor, not one still wrapped by an outer transform level.
+    return keys.dim() == 2 and not torch._C._functorch.is_functorch_wrapped_tensor(keys)
+
+
+def _stack_keys(keys: Tensor, rows: list[Tensor], row_shape: tuple[int, ...]) -> Tensor:
+    if not rows:
+        return keys.new_empty((0, *row_shape))
+    return torch.stack(rows)
 
 
 # -- split / fold_in ----------------------------------------------------------
@@ -288,8 +304,8 @@ def _(info: Any, in_dims: tuple[Any, ...], key: Tensor, num: int) -> Any:
     if kdim is None:
         return dispatch(split_op, key, num), None
     keys = key.movedim(kdim, 0)
-    if keys.dim() != 2:  # nested vmap: let the inner level batch the rest
-        return torch.stack([dispatch(split_op, k, num) for k in keys.unbind(0)]), 0
+    if not _vectorisable(keys):  # let outer levels batch the rest
+        return _stack_keys(keys, [dispatch(split_op, k, num) for k in keys.unbind(0)], (num, 2)), 0
     return split_batched(keys, num), 0
 
 
@@ -310,8 +326,8 @@ def _(info: Any, in_dims: tuple[Any, ...], key: Tensor, data: int) -> Any:
     if kdim is None:
         return dispatch(fold_in_op, key, data), None
     keys = key.movedim(kdim, 0)
-    if keys.dim() != 2:
-        return torch.stack([dispatch(fold_in_op, k, data) for k in keys.unbind(0)]), 0
+    if not _vectorisable(keys):
+        return _stack_keys(keys, [dispatch(fold_in_op, k, data) for k in keys.unbind(0)], (2,)), 0
     return fold_in_batched(keys, data), 0
 
 
