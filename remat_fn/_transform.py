@@ -165,6 +165,10 @@ def _make(fun, *, policy, static_argnums, static_argnames, prevent_cse, preserve
     name = _name_of(fun)
 
     def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling():  # see remat_fn/_compile.py
+            from ._compile import compiled_call
+
+            return compiled_call(fun, args, kwargs, policy=policy, preserve_rng_state=preserve_rng_state)
         return _call(fun, name, args, kwargs, static_argnums, static_argnames,
                      preserve_rng_state, debug)
 

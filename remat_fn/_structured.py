@@ -1,0 +1,285 @@
+"""Structured helpers: ``remat_sequential`` and ``remat_scan``.
+
+``remat_sequential`` is the ``torch.utils.checkpoint.checkpoint_sequential``
+analogue; ``remat_scan`` is JAX's ``lax.scan`` with checkpointing *across*
+iterations.  Both are built from :func:`remat_fn.remat`, so they work under
+eager autograd and under every ``torch.func`` transform.
+
+Checkpointing schedules of ``remat_scan`` for ``n`` steps
+----------------------------------------------------------
+
+``"all"``
+    Every step is its own remat region: ``n`` carries are kept, each step is
+    evaluated twice (``2n`` evaluations of ``f``).
+``"sqrt"``
+    Chen et al. (2016): ``k = ceil(sqrt(n))`` steps per segment, every
+    segment but the last is a remat region.  Kept: ``ceil(n/k)`` carries plus,
+    during backward, the activations of one segment, i.e. ``O(sqrt n)``;
+    evaluations ``2n - (length of the last segment)``.
+``c`` (an int >= 1)
+    Binomial checkpointing (Griewank 1992; Griewank & Walther 2000, "Revolve"):
+    at most ``c`` carries (counting ``init``) are held at any time, plus the
+    activations of a single step.  With ``r`` the smallest integer such that
+    ``binom(c + r, c) >= n`` the number of evaluations of ``f`` (forward
+    sweep, recomputations and the final evaluation of each step whose
+    activations backward consumes) is the proven minimum
+
+        ``T(n, c) = (r + 1) * n - binom(c + r, r - 1)``      (``T(1, c) = 1``)
+
+    e.g. ``c = 1`` gives ``n (n + 1) / 2`` (recompute from ``init`` each time),
+    ``c >= n - 1`` gives ``2n - 1``.  :func:`revolve_evaluations` returns it.
+
+    The schedule is the recursion ``R(l, c) = R(l - m, c - 1) o remat(R(m, c))``
+    with the split ``m`` minimising ``m + T(l - m, c - 1) + T(m, c)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+__all__ = ["remat_sequential", "remat_scan", "revolve_evaluations"]
+
+
+# --------------------------------------------------------------------------- sequential
+def _run_chain(functions, x):
+    for fn in functions:
+        x = fn(x)
+    return x
+
+
+def _sequential(functions, segments, input, *, policy, preserve_rng_state):
+    from ._transform import remat
+
+    if isinstance(functions, torch.nn.Sequential):
+        functions = list(functions.children())
+    else:
+        functions = list(functions)
+    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"segments must be a positive int, got {segments!r}")
+    n = len(functions)
+    segments = min(segments, max(n, 1))
+    size = n // segments
+    end = -1
+    # Same segmentation as torch.utils.checkpoint.checkpoint_sequential: all but
+    # the last segment are rematerialised; the last one's activations are needed
+    # right away by backward.
+    for start in range(0, size * (segments - 1), size):
+        end = start + size - 1
+        seg = functools.partial(_run_chain, functions[start : end + 1])
+        input = remat(seg, policy=policy, preserve_rng_state=preserve_rng_state)(input)
+    return _run_chain(functions[end + 1 :], input)
+
+
+def remat_sequential(functions, segments: int, input, *, policy=None):
+    """Run ``functions`` in order, rematerialising all but the last of ``segments`` chunks.
+
+    The ``checkpoint_sequential`` analogue: ``functions`` is an ``nn.Sequential``
+    or a list of callables, each taking the previous one's output (any pytree).
+    The segmentation is torch's: ``len(functions) // segments`` functions per
+    segment, the last segment takes the rest and is not rematerialised.
+    ``segments`` larger than the number of functions is clamped.
+
+    >>> import torch, remat_fn
+    >>> net = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+    >>> x = torch.randn(2, 4)
+    >>> torch.allclose(remat_fn.remat_sequential(net, 2, x), net(x))
+    True
+    """
+    return _sequential(functions, segments, input, policy=policy, preserve_rng_state=True)
+
+
+# --------------------------------------------------------------------------- scan
+def revolve_evaluations(n: int, c: int) -> int:
+    """Minimal number of step evaluations to differentiate ``n`` steps with ``c`` checkpoints."""
+    if n < 0 or c < 1:
+        raise ValueError(f"need n >= 0 and c >= 1, got n={n}, c={c}")
+    if n <= 1:
+        return n
+    r = 0
+    while math.comb(c + r, c) < n:
+        r += 1
+    return (r + 1) * n - math.comb(c + r, r - 1)
+
+
+def _split(n: int, c: int) -> int:
+    """Length of the first (rematerialised) part of an ``n``-step schedule with ``c`` checkpoints."""
+    if c == 1:
+        return n - 1
+    best, best_m = None, 1
+    for m in range(1, n):
+        cost = m + revolve_evaluations(n - m, c - 1) + revolve_evaluations(m, c)
+        if best is None or cost < best:
+            best, best_m = cost, m
+    return best_m
+
+
+def _index(xs, i):
+    if xs is None:
+        return None
+    return optree.tree_map(lambda a: a[i], xs)
+
+
+def _slice(xs, a, b):
+    if xs is None:
+        return None
+    return optree.tree_map(lambda t: t[a:b], xs)
+
+
+def _plain(f, carry, xs, n, ys):
+    for i in range(n):
+        carry, y = f(carry, _index(xs, i))
+        ys.append(y)
+    return carry
+
+
+def _revolve_region(f, n, c, opts, carry, xs):
+    ys: list = []
+    carry = _revolve(f, carry, xs, n, c, opts, ys)
+    return carry, ys
+
+
+def _revolve(f, carry, xs, n, c, opts, ys):
+    from ._transform import remat
+
+    while n > 1:
+        m = _split(n, c)
+        region = functools.partial(_revolve_region, f, m, c, opts)
+        carry, ys1 = remat(region, **opts)(carry, _slice(xs, 0, m))
+        ys.extend(ys1)
+        xs = _slice(xs, m, n)
+        n, c = n - m, c - 1
+    if n == 1:
+        carry, y = f(carry, _index(xs, 0))
+        ys.append(y)
+    return carry
+
+
+def _segment_region(f, n, carry, xs):
+    ys: list = []
+    carry = _plain(f, carry, xs, n, ys)
+    return carry, ys
+
+
+def _step_region(f, carry, x):
+    return f(carry, x)
+
+
+def _scan_length(xs, length):
+    leaves = optree.tree_leaves(xs) if xs is not None else []
+    for t in leaves:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"remat_scan: xs must be a pytree of tensors, got a leaf {type(t).__name__}")
+    lengths = {int(t.shape[0]) if t.dim() > 0 else None for t in leaves}
+    if None in lengths:
+        raise ValueError("remat_scan: every leaf of xs needs a leading (scanned) dimension")
+    if length is not None:
+        length = int(length)
+        if length < 0:
+            raise ValueError(f"remat_scan: length must be >= 0, got {length}")
+        if lengths and lengths != {length}:
+            raise ValueError(
+                f"remat_scan: length={length} but xs has leading dimensions {sorted(lengths)}"
+            )
+        return length
+    if not lengths:
+        raise ValueError("remat_scan: pass length= when xs is None or has no leaves")
+    if len(lengths) > 1:
+        raise ValueError(f"remat_scan: the leaves of xs have different leading dimensions {sorted(lengths)}")
+    return lengths.pop()
+
+
+def _stack(ys: list):
+    if not ys:
+        return None
+    leaves0, treedef = optree.tree_flatten(ys[0])
+    if not leaves0:
+        return ys[0] if all(y is None for y in ys) else optree.tree_unflatten(treedef, [])
+    cols = [optree.tree_leaves(y) for y in ys]
+    stacked = []
+    for j, first in enumerate(leaves0):
+        col = [c[j] for c in cols]
+        if isinstance(first, torch.Tensor):
+            stacked.append(torch.stack(col))
+        else:
+            stacked.append(torch.as_tensor(col))
+    return optree.tree_unflatten(treedef, stacked)
+
+
+def remat_scan(
+    f: Callable[[Any, Any], tuple[Any, Any]],
+    init: Any,
+    xs: Any,
+    *,
+    length: int | None = None,
+    policy: Any = None,
+    checkpoints: str | int = "sqrt",
+):
+    """``lax.scan`` with rematerialisation across iterations.
+
+    Computes ``carry, y_i = f(carry, x_i)`` for ``i`` in ``range(length)`` and
+    returns ``(carry, ys)`` with the ``y_i`` stacked along a new leading
+    dimension (pytrees stacked leaf by leaf; ``ys`` is ``None`` if every
+    ``y_i`` is ``None``).
+
+    **Arguments:**
+
+    - `f`: the step, ``f(carry, x) -> (carry, y)``; the carry keeps its
+      structure, shapes and dtypes.
+    - `init`: the initial carry (any pytree).
+    - `xs`: a pytree of tensors sharing a leading dimension ``length``, or
+      ``None`` (then ``length`` is required and ``f`` gets ``x=None``).
+    - `length`: number of steps (checked against ``xs``).
+    - `policy`: the remat policy of every region (see :func:`remat_fn.remat`).
+    - `checkpoints`: ``"all"``, ``"sqrt"`` or an int ``c >= 1`` (binomial
+      schedule, see the module docstring for costs: evaluations of ``f`` are
+      exactly :func:`revolve_evaluations` ``(length, c)``).
+
+    Gradients (eager, ``torch.func.grad``, ``vmap(grad)``, ...) equal those
+    of the plain Python loop.
+
+    >>> import torch, remat_fn
+    >>> f = lambda c, x: (torch.tanh(c * x), c.sum())
+    >>> c, ys = remat_fn.remat_scan(f, torch.ones(3), torch.rand(10, 3), checkpoints=2)
+    >>> ys.shape
+    torch.Size([10])
+    """
+    from ._transform import remat
+
+    n = _scan_length(xs, length)
+    opts = dict(policy=policy)
+    ys: list = []
+    if n == 0:
+        return init, None
+    if checkpoints == "all":
+        step = remat(functools.partial(_step_region, f), **opts)
+        carry = init
+        for i in range(n):
+            carry, y = step(carry, _index(xs, i))
+            ys.append(y)
+    elif checkpoints == "sqrt":
+        k = math.isqrt(n - 1) + 1 if n > 1 else 1  # ceil(sqrt(n))
+        carry = init
+        starts = list(range(0, n, k))
+        for j, a in enumerate(starts):
+            b = min(a + k, n)
+            if j == len(starts) - 1:
+                carry = _plain(f, carry, _slice(xs, a, b), b - a, ys)
+            else:
+                region = remat(functools.partial(_segment_region, f, b - a), **opts)
+                carry, ys_seg = region(carry, _slice(xs, a, b))
+                ys.extend(ys_seg)
+    elif isinstance(checkpoints, int) and not isinstance(checkpoints, bool):
+        if checkpoints < 1:
+            raise ValueError(f"remat_scan: checkpoints must be >= 1, got {checkpoints}")
+        carry = _revolve(f, init, xs, n, checkpoints, opts, ys)
+    else:
+        raise ValueError(
+            f"remat_scan: checkpoints must be 'all', 'sqrt' or a positive int, got {checkpoints!r}"
+        )
+    return carry, _stack(ys)
