@@ -1,0 +1,126 @@
+"""remat under torch.compile: gradients match, and the policy decides what the compiled
+backward recomputes (counted aten.mm nodes in the backward graph).
+
+Every compile runs in a fresh subprocess: a failed compile of a checkpointed function
+leaves saved-tensor hooks disabled for the rest of the process (see NOTES.md), and a
+subprocess also keeps Dynamo caches out of the rest of the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PRELUDE = textwrap.dedent(
+    """
+    import json, torch, remat_fn
+    torch.set_num_threads(1)
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from functorch.compile import make_boxed_func
+    from remat_fn._compile import compiled_call
+
+    def counting_backend(counts):
+        def count(key):
+            def compiler(gm, example_inputs):
+                counts[key] = sum(n.target is torch.ops.aten.mm.default for n in gm.graph.nodes)
+                return make_boxed_func(gm.forward)
+            return compiler
+        def backend(gm, example_inputs):
+            return aot_module_simplified(gm, example_inputs, fw_compiler=count("fw"),
+                                         bw_compiler=count("bw"),
+                                         partition_fn=min_cut_rematerialization_partition)
+        return backend
+
+    torch.manual_seed(0)
+    w1 = torch.randn(8, 8, requires_grad=True)
+    w2 = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def block(x):
+        return torch.relu(torch.relu(x @ w1) @ w2).sin()
+
+    def save_mm(ctx, op, *args, **kwargs):
+        return op is torch.ops.aten.mm.default
+
+    ref = torch.autograd.grad(block(x).sum(), (x, w1, w2))
+    def close(g):
+        return all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(g, ref))
+    """
+)
+
+
+def _run(body: str) -> dict:
+    code = PRELUDE + textwrap.dedent(body)
+    env = dict(os.environ, PYTHONWARNINGS="ignore", TORCHINDUCTOR_COMPILE_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_compile_mm_counts_follow_policy_and_backends_match():
+    res = _run(
+        """
+        out = {}
+        for name, f in [("plain", block), ("remat", remat_fn.remat(block))]:
+            c = {}
+            torch._dynamo.reset()
+            g = torch.compile(lambda x: f(x).sum(), backend=counting_backend(c), fullgraph=True)
+            out[name] = dict(c, ok=close(torch.autograd.grad(g(x), (x, w1, w2))))
+            out[name].update(c)
+        # policy: save mm outputs (the policy that remat(policy=...) hands to torch's SAC)
+        c = {}
+        torch._dynamo.reset()
+        g = torch.compile(lambda x: compiled_call(block, (x,), {}, policy=save_mm).sum(),
+                          backend=counting_backend(c), fullgraph=True)
+        out["save_mm"] = dict(ok=close(torch.autograd.grad(g(x), (x, w1, w2))), **c)
+        for be in ["aot_eager", "inductor"]:
+            torch._dynamo.reset()
+            g = torch.compile(lambda x: remat_fn.remat(block)(x).sum(), backend=be)
+            out[be] = close(torch.autograd.grad(g(x), (x, w1, w2)))
+        print(json.dumps(out))
+        """
+    )
+    print("compiled mm counts:", res)
+    assert res["plain"] == {"fw": 2, "bw": 4, "ok": True}
+    assert res["remat"] == {"fw": 2, "bw": 6, "ok": True}  # the 2 forward mm's are recomputed
+    assert res["save_mm"] == {"fw": 2, "bw": 4, "ok": True}  # saved: nothing recomputed
+    assert res["aot_eager"] and res["inductor"]
+
+
+def test_compile_policy_through_remat_and_compat():
+    res = _run(
+        """
+        import functools
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        from remat_fn.compat import checkpoint
+        out = {}
+        try:
+            f = remat_fn.remat(block, policy=save_mm)
+        except NotImplementedError:
+            f = None
+        if f is not None:
+            c = {}
+            torch._dynamo.reset()
+            g = torch.compile(lambda x: f(x).sum(), backend=counting_backend(c))
+            out["remat_policy"] = dict(ok=close(torch.autograd.grad(g(x), (x, w1, w2))), **c)
+        c = {}
+        torch._dynamo.reset()
+        cf = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+        g = torch.compile(lambda x: checkpoint(block, x, use_reentrant=False, context_fn=cf).sum(),
+                          backend=counting_backend(c))
+        out["compat_sac"] = dict(ok=close(torch.autograd.grad(g(x), (x, w1, w2))), **c)
+        print(json.dumps(out))
+        """
+    )
+    print("compiled mm counts:", res)
+    assert res["compat_sac"] == {"fw": 2, "bw": 4, "ok": True}
+    if "remat_policy" in res:
+        assert res["remat_policy"] == {"fw": 2, "bw": 4, "ok": True}
