@@ -82,11 +82,31 @@ class Scan:
     own parameters still sees the tensors the forward used.
     """
 
-    __slots__ = ("tensors", "places")
+    __slots__ = ("tensors", "places", "versions")
 
     def __init__(self) -> None:
         self.tensors: dict[int, torch.Tensor] = {}
         self.places: list[tuple[Any, Any, torch.Tensor]] = []
+        self.versions: list[tuple[torch.Tensor, int]] = []
+
+    def record_versions(self, extra: list[torch.Tensor] = ()) -> None:
+        """Remember the version counter of every reachable tensor (after the forward)."""
+        self.versions = [(t, _version(t)) for t in (*self.tensors.values(), *extra)]
+
+    def check_versions(self, name: str) -> None:
+        """Raise if a reachable tensor was modified in place since :meth:`record_versions`."""
+        from ._errors import MutatedSavedTensorError
+
+        for t, v in self.versions:
+            now = _version(t)
+            if now != v:
+                raise MutatedSavedTensorError(
+                    f"The tensor {describe(t)} that remat({name}) uses (an argument or a tensor "
+                    f"it closes over) was modified in place after the forward (version {v} -> "
+                    f"{now}), so recomputing the region would silently give different values. "
+                    "Fix: clone it before modifying it (x = x.clone()), or apply the in-place "
+                    "update (e.g. optimizer.step()) after the backward pass."
+                )
 
     def captured(self, exclude: set[int]) -> list[torch.Tensor]:
         """The reachable tensors that need a gradient and are not in ``exclude``."""
@@ -123,6 +143,15 @@ class Scan:
 
 
 _EMPTY = object()
+
+
+def _version(t: torch.Tensor) -> int:
+    while _F.is_functorch_wrapped_tensor(t):
+        t = _F.get_unwrapped(t)
+    try:
+        return t._version
+    except (RuntimeError, NotImplementedError):  # pragma: no cover - exotic subclasses
+        return 0
 
 
 def scan(fn: Any) -> Scan:

@@ -77,6 +77,7 @@ class _Frame:
 
     # -- backward ------------------------------------------------------------
     def recompute(self) -> None:
+        self.scan.check_versions(self.name)
         handles = self.handles
         recomputed = self.recomputed
         needed = [i for i, w in enumerate(handles) if i not in recomputed and w() is not None]
@@ -195,6 +196,7 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
         # recomputation sees the same ones even if (as with
         # torch.func.functional_call) they are swapped back before backward.
         frame.scan = scan((fun, args, kwargs))
+        frame.scan.record_versions()
     if snap is not None and snap.finish():
         frame.rng = snap
     return out

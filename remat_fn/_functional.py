@@ -34,7 +34,7 @@ from ._rng_state import RNGSnapshot
 __all__ = ["functional_call"]
 
 _F = torch._C._functorch
-_GRAD_KEYS = (_F.TransformType.Grad, _F.TransformType.Jvp)
+_GRAD_KEYS = (_F.TransformType.Grad,)
 
 
 class _Spec:
@@ -68,7 +68,9 @@ class _Spec:
             return self.run(list(tensors[:n]))
         mode = CaptureMode(subst, known)
         with mode:
-            out = self.run(list(tensors[:n]))
+            outs, rebuild = self.run(list(tensors[:n]))
+        # A captured tensor returned as is never went through an op.
+        out = (tuple(mode._fix(o) for o in outs), rebuild)
         if known is not None:
             self.fwd_hits = mode.hits
         elif not self.fwd_hits <= mode.hits:
@@ -168,6 +170,7 @@ class _RematFunction(torch.autograd.Function):
 
 
 def _saved(ctx, spec: _Spec):
+    spec.scan.check_versions(spec.name)
     try:
         # A vjp_fn called after its level exited hands us dead wrappers; a new
         # level created inside this backward may reuse their level number.
@@ -269,4 +272,5 @@ def functional_call(
         break
     if snap is not None and snap.finish():
         spec.rng = snap
+    scan.record_versions(inputs)
     return outs, spec.out_box[-1]

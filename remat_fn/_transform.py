@@ -189,8 +189,26 @@ def _make(fun, *, policy, static_argnums, static_argnames, prevent_cse, preserve
     return wrapper
 
 
+def _forward_mode_only_or_nested(stack) -> bool:
+    """True when a custom autograd.Function cannot be used safely or usefully.
+
+    torch gives silently zero second-order tangents for any custom
+    ``autograd.Function`` under two nested forward-mode levels (``jvp(jvp)``,
+    ``jacfwd(jacfwd)``), so there the region runs as plain code (exact, with
+    no memory saving).  Forward mode keeps no residuals, so nothing is lost
+    when no reverse-mode level is active either.
+    """
+    n_jvp = 0
+    for i in stack:
+        if i.key() == _F.TransformType.Jvp:
+            n_jvp += 1
+    return n_jvp >= 2
+
+
 def _call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug):
     if torch._C._are_functorch_transforms_active():
+        if _forward_mode_only_or_nested(_F.get_interpreter_stack()):
+            return fun(*args, **kwargs)
         return _functorch_call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug)
     if not torch.is_grad_enabled():
         return fun(*args, **kwargs)  # nothing is saved without grad mode

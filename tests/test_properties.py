@@ -1,0 +1,143 @@
+"""Hypothesis: random programs, pytrees and transform compositions vs the plain function."""
+
+from __future__ import annotations
+
+import os
+
+import optree
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.func import grad, jacfwd, jacrev, vjp, vmap
+
+from remat_fn import remat
+
+from ._util import assert_tree_close
+
+UNARY = {
+    "sin": torch.sin, "tanh": torch.tanh, "exp_small": lambda t: torch.exp(0.1 * t),
+    "square": lambda t: t * t, "softplus": torch.nn.functional.softplus, "sigmoid": torch.sigmoid,
+}
+BINARY = {"add": torch.add, "mul": torch.mul, "sub": torch.sub, "mix": lambda a, b: a * torch.cos(b)}
+
+settings.register_profile("ci", max_examples=150, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=400, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("REMAT_HYPOTHESIS_PROFILE", "ci"))
+
+
+@st.composite
+def programs(draw):
+    """A straight-line program over n inputs of one shape, with a closed-over weight."""
+    n_in = draw(st.integers(1, 3))
+    steps = []
+    n_vals = n_in + 1  # inputs + closed-over weight
+    for _ in range(draw(st.integers(1, 6))):
+        if draw(st.booleans()):
+            steps.append(("u", draw(st.sampled_from(sorted(UNARY))), draw(st.integers(0, n_vals - 1))))
+        else:
+            steps.append(("b", draw(st.sampled_from(sorted(BINARY))),
+                          draw(st.integers(0, n_vals - 1)), draw(st.integers(0, n_vals - 1))))
+        n_vals += 1
+    n_out = draw(st.integers(1, min(3, n_vals)))
+    outs = draw(st.lists(st.integers(0, n_vals - 1), min_size=n_out, max_size=n_out))
+    return n_in, steps, outs
+
+
+def build(program, w):
+    n_in, steps, outs = program
+
+    def fn(tree):
+        vals = list(optree.tree_leaves(tree)) + [w]
+        for s in steps:
+            if s[0] == "u":
+                vals.append(UNARY[s[1]](vals[s[2]]))
+            else:
+                vals.append(BINARY[s[1]](vals[s[2]], vals[s[3]]))
+        return {"outs": [vals[i] for i in outs], "meta": len(steps)}
+
+    return fn
+
+
+@st.composite
+def input_trees(draw, n, shape):
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    leaves = [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(n)]
+    kind = draw(st.sampled_from(["tuple", "dict", "nested"]))
+    if kind == "tuple":
+        return tuple(leaves)
+    if kind == "dict":
+        return {f"k{i}": t for i, t in enumerate(leaves)}
+    return {"a": leaves[:1], "b": [tuple(leaves[1:])]}
+
+
+def scalar(fn):
+    return lambda tree, w=None: sum(o.sum() for o in fn(tree)["outs"])
+
+
+@given(data=st.data(), program=programs(), shape=st.sampled_from([(3,), (2, 3)]))
+def test_random_programs_grad_eager_vjp(data, program, shape):
+    tree = data.draw(input_trees(program[0], shape))
+    w0 = torch.randn(shape, dtype=torch.float64)
+
+    def loss(use, tree, w):
+        fn = build(program, w)
+        return scalar(remat(fn) if use else fn)(tree)
+
+    # torch.func.grad w.r.t. inputs and closed-over weight
+    assert_tree_close(grad(lambda t, w: loss(True, t, w), argnums=(0, 1))(tree, w0),
+                      grad(lambda t, w: loss(False, t, w), argnums=(0, 1))(tree, w0), exact=True)
+    # eager backward
+    res = []
+    for use in (True, False):
+        leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+        xs = [x.clone().requires_grad_() for x in leaves]
+        w = w0.clone().requires_grad_()
+        loss(use, optree.tree_unflatten(spec, xs), w).backward()
+        res.append([x.grad for x in xs] + [w.grad])
+    assert_tree_close(res[0], res[1], exact=True)
+    # vjp with non-scalar outputs and the pass-through non-tensor leaf
+    fn_r, fn_p = remat(build(program, w0)), build(program, w0)
+    assert fn_r(tree)["meta"] == fn_p(tree)["meta"]
+    out_r, vr = vjp(lambda t: fn_r(t)["outs"], tree)
+    out_p, vp = vjp(lambda t: fn_p(t)["outs"], tree)
+    assert_tree_close(out_r, out_p, exact=True)
+    ct = optree.tree_map(torch.ones_like, out_p)
+    assert_tree_close(vr(ct), vp(ct), exact=True)
+
+
+COMPOSE = st.lists(st.sampled_from(["grad", "vmap", "jacrev", "jacfwd"]), min_size=1, max_size=3)
+
+
+@given(program=programs(), comp=COMPOSE, nest=st.booleans(), seed=st.integers(0, 1000))
+def test_random_compositions(program, comp, nest, seed):
+    """Compose transforms around a scalar function of one vector input."""
+    g = torch.Generator().manual_seed(seed)
+    n_in = program[0]
+    w = torch.randn(3, generator=g, dtype=torch.float64)
+    fn = build(program, w)
+
+    def mk(use):
+        f = remat(fn) if use else fn
+        if use and nest:
+            f = remat(f)
+        base = lambda x: scalar(f)(tuple(x * (i + 1) for i in range(n_in)))
+        h = base
+        for t in comp:
+            if t == "grad":
+                prev = h
+                h = (lambda p: lambda x: grad(lambda y: p(y).sum())(x))(prev)
+            elif t == "vmap":
+                prev = h
+                h = (lambda p: lambda x: vmap(p)(x.expand(2, *x.shape)).sum(0))(prev)
+            elif t == "jacrev":
+                prev = h
+                h = (lambda p: lambda x: jacrev(lambda y: p(y).sum())(x))(prev)
+            else:
+                prev = h
+                h = (lambda p: lambda x: jacfwd(lambda y: p(y).sum())(x))(prev)
+        return h
+
+    x = torch.randn(3, generator=g, dtype=torch.float64)
+    assert_tree_close(mk(True)(x), mk(False)(x), rtol=1e-9, atol=1e-10)
