@@ -1,0 +1,151 @@
+"""Hugging Face transformers with remat_fn.compat.checkpoint as the gradient-checkpointing
+function: tiny GPT-2 and BERT built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch.func import functional_call, grad, vjp
+
+import remat_fn.compat
+from remat_fn.memory import LiveBytes
+
+from ._util import assert_tree_close
+
+transformers = pytest.importorskip("transformers")
+
+
+def gpt2(dropout=0.0, n_layer=2, n_embd=32):
+    cfg = transformers.GPT2Config(
+        n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=64, n_positions=32,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def bert(dropout=0.0):
+    cfg = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        vocab_size=64, max_position_embeddings=32, hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    torch.manual_seed(0)
+    return transformers.BertForMaskedLM(cfg)
+
+
+class Counting:
+    """remat_fn.compat.checkpoint, counting calls (to prove the model used it)."""
+
+    def __init__(self, fn=remat_fn.compat.checkpoint):
+        self.fn = fn
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def enable(model, fn):
+    model._set_gradient_checkpointing(True, gradient_checkpointing_func=fn)
+    return model
+
+
+def _inputs(kind):
+    torch.manual_seed(1)
+    ids = torch.randint(0, 64, (2, 12))
+    if kind == "gpt2":
+        return dict(input_ids=ids, labels=ids)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+
+
+MODELS = {"gpt2": gpt2, "bert": bert}
+
+
+def _eager_grads(model, inputs, seed):
+    torch.manual_seed(seed)
+    loss = model(**inputs).loss
+    return loss.detach(), torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad],
+                                              allow_unused=True)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_eager_grads_equal_no_checkpointing(kind, dropout):
+    # transformers only checkpoints in training mode; dropout=0.0 is the deterministic case
+    ref = MODELS[kind](dropout).train()
+    model = copy.deepcopy(ref)
+    ck = Counting()
+    enable(model, ck)
+    inputs = _inputs(kind)
+    l0, g0 = _eager_grads(ref, inputs, seed=5)
+    l1, g1 = _eager_grads(model, inputs, seed=5)
+    assert ck.calls == 2  # one per layer
+    torch.testing.assert_close(l1, l0)
+    assert_tree_close(g1, g0, rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_checkpointing_enable_kwargs():
+    model = gpt2().train()
+    # transformers 5 renamed gradient_checkpointing_enable (deprecated alias kept until v6)
+    enable_fn = getattr(model, "activation_checkpointing_enable", None)
+    if enable_fn is not None:
+        enable_fn(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    # swap our function in afterwards (what the kwargs route cannot express)
+    ck = Counting()
+    enable(model, ck)
+    model(**_inputs("gpt2")).loss.backward()
+    assert ck.calls == 2
+
+
+def _func_loss(model, params, inputs, seed):
+    torch.manual_seed(seed)
+    return functional_call(model, params, (), inputs).loss
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_functional_call_grad(kind, dropout):
+    ref = MODELS[kind](dropout).train()
+    model = copy.deepcopy(ref)
+    ck = Counting()
+    enable(model, ck)
+    inputs = _inputs(kind)
+    params = {k: v.detach() for k, v in ref.named_parameters()}
+    g0 = grad(lambda p: _func_loss(ref, p, inputs, 9))(params)
+    g1 = grad(lambda p: _func_loss(model, p, inputs, 9))(params)
+    assert ck.calls == 2
+    assert_tree_close(g1, g0, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_checkpoint_fails_under_func_grad():
+    torch_ck = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    model = enable(gpt2().train(), torch_ck)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    with pytest.raises(RuntimeError, match="saved tensor hooks"):
+        grad(lambda p: _func_loss(model, p, _inputs("gpt2"), 0))(params)
+
+
+def test_gpt2_memory_under_vjp():
+    ref = gpt2(n_layer=4, n_embd=64).train()
+    model = enable(copy.deepcopy(ref), remat_fn.compat.checkpoint)
+    params = {k: v.detach() for k, v in ref.named_parameters()}
+    torch.manual_seed(2)
+    ids = torch.randint(0, 64, (8, 32))
+    kept, grads = {}, {}
+    for name, m in [("plain", ref), ("remat", model)]:
+        with LiveBytes() as meter:
+            loss, fn = vjp(lambda p: functional_call(m, p, (), {"input_ids": ids, "labels": ids}).loss, params)
+            kept[name] = meter.live
+        grads[name] = fn(torch.ones_like(loss))[0]
+        del loss, fn
+    ratio = kept["remat"] / kept["plain"]
+    print(f"GPT-2 (4 layers) under vjp: kept {kept['remat']} B with remat vs {kept['plain']} B, ratio {ratio:.3f}")
+    assert ratio < 0.8
+    assert_tree_close(grads["remat"], grads["plain"], rtol=1e-5, atol=1e-6)
