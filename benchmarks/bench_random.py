@@ -1,14 +1,22 @@
 """Benchmarks for ``remat_fn.random`` against torch's global-RNG equivalents.
 
-Run as ``python benchmarks/bench_random.py [--quick]``; prints a Markdown table.
-Timings are medians of interleaved repetitions (the candidate and its baseline
-alternate, so background load hits both alike). Nothing here is asserted.
+Run as ``python benchmarks/bench_random.py [--quick] [--threads N] [--stat min]
+[--steady-malloc]``; prints a Markdown table. Timings are medians (or minima) of
+interleaved repetitions: the candidate and its baseline alternate, so background
+load hits both alike. Nothing here is asserted.
+
+On small VMs, first-touch page faults of fresh 16 MiB buffers can cost more than
+the RNG itself and make results depend on allocator luck; ``--steady-malloc``
+re-runs the script with glibc keeping freed memory (``MALLOC_MMAP_THRESHOLD_`` /
+``MALLOC_TRIM_THRESHOLD_``) so that the table measures compute, not page faults.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -28,10 +36,14 @@ def _time(fn: Callable[[], object], inner: int) -> float:
     return (time.perf_counter() - t) / inner
 
 
+STAT = statistics.median
+
+
 def compare(
     ours: Callable[[], object], base: Callable[[], object], *, reps: int, inner: int = 1
 ) -> tuple[float, float]:
-    """Median seconds per call of ``ours`` and ``base``, measured alternately."""
+    """Seconds per call (median, or min with --stat min) of ``ours`` and ``base``,
+    measured alternately."""
     for _ in range(2):
         ours()
         base()
@@ -39,7 +51,7 @@ def compare(
     for _ in range(reps):
         a.append(_time(ours, inner))
         b.append(_time(base, inner))
-    return statistics.median(a), statistics.median(b)
+    return STAT(a), STAT(b)
 
 
 def fmt(seconds: float) -> str:
@@ -51,7 +63,20 @@ def fmt(seconds: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--stat", choices=("median", "min"), default="median",
+                    help="min is steadier on a loaded machine")
+    ap.add_argument("--steady-malloc", action="store_true",
+                    help="re-run with glibc keeping freed memory (no page-fault noise)")
     args = ap.parse_args()
+    if args.steady_malloc and "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(32 << 20),
+                   MALLOC_TRIM_THRESHOLD_=str(1 << 40))
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    global STAT
+    STAT = min if args.stat == "min" else statistics.median
+    if args.threads:
+        torch.set_num_threads(args.threads)
     reps = 5 if args.quick else 15
     rows: list[tuple[str, str, str, str, str]] = []
 
@@ -134,7 +159,9 @@ def main() -> None:
     for r in rows:
         print("| " + " | ".join(r) + " |")
     print(
-        f"\n_torch {torch.__version__}, {torch.get_num_threads()} threads; speed-up = "
+        f"\n_torch {torch.__version__}, {torch.get_num_threads()} threads, {args.stat} of "
+        f"{reps} interleaved repetitions"
+        f"{', steady malloc' if 'MALLOC_TRIM_THRESHOLD_' in os.environ else ''}; speed-up = "
         "baseline time / remat_fn time (>1 means remat_fn is faster)._"
     )
 

@@ -447,14 +447,19 @@ _OVERLOADS = {
 
 
 def dispatch(op: Any, key: Tensor, *args: Any) -> Tensor:
-    """Run `op`. With no transform, compiler, mode or tensor subclass in play the
-    custom op would only forward to its kernel, so the kernel is called directly
-    (saves ~10 us of dispatcher overhead per call); otherwise the registered op
-    runs, so that vmap rules, fake kernels and modes see it."""
+    """Run `op` on an unbatched key.
+
+    With no torch.func transform, compiler, dispatch mode or function mode in
+    play and a plain key tensor, the custom op would only forward to its
+    kernel, so the kernel is called directly (saves ~10 us of dispatcher
+    overhead per call). Otherwise the registered op runs, so that vmap rules,
+    fake kernels and modes see one opaque op (inside transforms the kernel's
+    seeded draws must not be mistaken for global randomness by vmap).
+    """
     if (
-        type(key) is torch.Tensor
+        not torch.compiler.is_compiling()  # first: the checks below are not traceable
+        and type(key) is torch.Tensor
         and not torch._C._are_functorch_transforms_active()
-        and not torch.compiler.is_compiling()
         and torch._C._len_torch_dispatch_stack() == 0
         and not torch._C._is_torch_function_mode_enabled()
     ):

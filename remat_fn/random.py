@@ -47,7 +47,6 @@ streams (``fold_in(key, rank)``).
 
 from __future__ import annotations
 
-import math
 import numbers
 import operator
 from collections.abc import Sequence
@@ -560,7 +559,7 @@ def _check_float(value: object, fn: str, name: str) -> float:
             + (" (use .item() outside transforms)." if isinstance(value, Tensor) else ".")
         )
     v = float(value)
-    if math.isnan(v):
+    if v != v:  # NaN (math.isnan is opaque to torch.compile)
         raise ValueError(f"remat_fn.random.{fn}: {name} is NaN.")
     return v
 
