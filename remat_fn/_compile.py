@@ -73,6 +73,14 @@ def sac_context_fn(policy: Any):
 def compiled_call(fun, args, kwargs, *, policy: Any = None, preserve_rng_state: bool = True):
     """Run ``fun(*args, **kwargs)`` as a torch checkpoint region (Dynamo is tracing)."""
 
+    if torch._C._are_functorch_transforms_active():
+        # torch.compile(grad(f)): AOTAutograd cannot lower torch's checkpoint
+        # region inside a traced functorch transform (and a failed attempt leaves
+        # saved-tensor hooks disabled for the process).  Trace the function
+        # plainly: exact gradients, the compiler's own partitioner decides what
+        # to recompute.
+        return fun(*args, **kwargs)
+
     def body(*a):
         return fun(*a, **kwargs)
 

@@ -30,7 +30,9 @@ Differences from torch, all deliberate:
 * ``debug=True`` (or ``torch.utils.checkpoint.set_checkpoint_debug_enabled``)
   turns on remat_fn's op traces in :class:`remat_fn.RecomputeMismatchError`.
 * Under ``torch.compile`` both functions call ``torch.utils.checkpoint``
-  itself, so the compiler sees the usual ``tag_activation_checkpoint`` region.
+  itself, so the compiler sees the usual ``tag_activation_checkpoint`` region
+  (inside a transform traced by the compiler, e.g. ``torch.compile(grad(f))``,
+  the function is traced plainly, as ``remat`` does).
 """
 
 from __future__ import annotations
@@ -130,6 +132,8 @@ def checkpoint(
     if not callable(function):
         raise TypeError(f"checkpoint expects a callable, got {type(function).__name__}")
     if torch.compiler.is_compiling():
+        if torch._C._are_functorch_transforms_active():
+            return function(*args, **kwargs)  # see remat_fn/_compile.py
         return _tc.checkpoint(
             function, *args, use_reentrant=False,
             context_fn=_tc.noop_context_fn if context_fn is None else context_fn,

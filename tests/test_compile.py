@@ -124,3 +124,25 @@ def test_compile_policy_through_remat_and_compat():
     assert res["compat_sac"] == {"fw": 2, "bw": 4, "ok": True}
     if "remat_policy" in res:
         assert res["remat_policy"] == {"fw": 2, "bw": 4, "ok": True}
+
+
+def test_compile_composes_with_torch_func():
+    res = _run(
+        """
+        f = remat_fn.remat(block)
+        xd = x.detach()
+        ref_g = torch.func.grad(lambda x: block(x).sum())(xd)
+        out = {}
+        torch._dynamo.reset()
+        out["compile(grad)"] = torch.allclose(
+            torch.compile(torch.func.grad(lambda x: f(x).sum()), backend="aot_eager")(xd), ref_g, atol=1e-6)
+        torch._dynamo.reset()
+        out["grad(compile)"] = torch.allclose(
+            torch.func.grad(torch.compile(lambda x: f(x).sum(), backend="aot_eager"))(xd), ref_g, atol=1e-6)
+        # saved-tensor hooks still work afterwards (nothing failed and disabled them)
+        y = x.detach().requires_grad_()
+        out["eager_after"] = torch.allclose(torch.autograd.grad(f(y).sum(), y)[0], ref_g, atol=1e-6)
+        print(json.dumps(out))
+        """
+    )
+    assert res == {"compile(grad)": True, "grad(compile)": True, "eager_after": True}, res
