@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from . import policies
 from ._errors import MutatedSavedTensorError, PolicyError, RecomputeMismatchError, RematError
+from ._structured import remat_scan, remat_sequential
 from ._transform import checkpoint, remat
 
 checkpoint_policies = policies
@@ -13,6 +14,8 @@ __all__ = [
     "checkpoint",
     "policies",
     "checkpoint_policies",
+    "remat_sequential",
+    "remat_scan",
     "RematError",
     "RecomputeMismatchError",
     "MutatedSavedTensorError",
