@@ -383,15 +383,22 @@ def _dropout_mask(key: Tensor, shape: Sequence[int], p: float, device: torch.dev
     return torch.ge(u, p)
 
 
-uniform_op = torch.library.custom_op("remat_fn::random_uniform", _uniform, mutates_args=())
-normal_op = torch.library.custom_op("remat_fn::random_normal", _normal, mutates_args=())
-randint_op = torch.library.custom_op("remat_fn::random_randint", _randint, mutates_args=())
-permutation_op = torch.library.custom_op(
-    "remat_fn::random_permutation", _permutation, mutates_args=()
-)
-dropout_mask_op = torch.library.custom_op(
-    "remat_fn::random_dropout_mask", _dropout_mask, mutates_args=()
-)
+# Seeding happens on the host at call time, so a CUDA-graph replay would
+# repeat the captured draws: tell inductor's cudagraph trees to stay away.
+_SAMPLER_TAGS = (torch.Tag.cudagraph_unsafe,)
+
+
+def _sampler_op(name: str, kernel: Any) -> Any:
+    return torch.library.custom_op(
+        f"remat_fn::{name}", kernel, mutates_args=(), tags=_SAMPLER_TAGS
+    )
+
+
+uniform_op = _sampler_op("random_uniform", _uniform)
+normal_op = _sampler_op("random_normal", _normal)
+randint_op = _sampler_op("random_randint", _randint)
+permutation_op = _sampler_op("random_permutation", _permutation)
+dropout_mask_op = _sampler_op("random_dropout_mask", _dropout_mask)
 
 
 def _fake_float(key: Tensor, shape: Sequence[int], dtype: torch.dtype, device: torch.device,

@@ -562,6 +562,12 @@ def test_torch_compile_matches_eager(backend):
             assert torch.equal(got, want)
 
 
+def test_sampler_ops_are_cudagraph_unsafe():
+    for name in ("random_uniform", "random_normal", "random_randint", "random_permutation",
+                 "random_dropout_mask"):
+        assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.remat_fn, name).default.tags
+
+
 def test_compile_backward_through_dropout():
     torch._dynamo.reset()
     f = torch.compile(lambda k, x: rnd.dropout(k, x, 0.5).sum(), backend="aot_eager", fullgraph=True)
