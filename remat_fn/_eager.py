@@ -17,6 +17,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import optree
 import torch
 
 from ._captures import scan
@@ -27,6 +28,7 @@ __all__ = ["eager_call"]
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 class _StopRecompute(Exception):
@@ -45,7 +47,7 @@ class _Frame:
 
     __slots__ = (
         "fun", "args", "kwargs", "name", "rng", "meta", "handles", "recomputed",
-        "debug", "fwd_trace", "scan",
+        "debug", "fwd_trace", "scan", "stash",
     )
 
     def __init__(self, fun, args, kwargs, name, debug):
@@ -60,6 +62,25 @@ class _Frame:
         self.debug = debug
         self.fwd_trace: list[str] | None = None
         self.scan = None
+        # When saved-tensor hooks are already active (an enclosing remat region,
+        # save_on_cpu, remat_fn.distributed), the region's tensor inputs are
+        # stored through them instead of being held here: an enclosing region
+        # can then drop and recompute them, save_on_cpu moves them, and so on.
+        self.stash = None
+
+    def stash_inputs(self, hooks) -> None:
+        pack, unpack = hooks
+        leaves, spec = optree.tree_flatten((self.args, self.kwargs), none_is_leaf=True)
+        packed = [(True, pack(x)) if isinstance(x, torch.Tensor) else (False, x) for x in leaves]
+        self.stash = (packed, spec, unpack)
+        self.args = self.kwargs = None
+
+    def inputs(self):
+        if self.stash is None:
+            return self.args, self.kwargs
+        packed, spec, unpack = self.stash
+        leaves = [unpack(v) if is_t else v for is_t, v in packed]
+        return optree.tree_unflatten(spec, leaves)
 
     # -- forward -------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Handle:
@@ -102,10 +123,8 @@ class _Frame:
                 )
             if t._version != version:
                 if arg_ids is None:
-                    import optree
-
                     arg_ids = {
-                        id(x) for x in optree.tree_leaves((self.args, self.kwargs))
+                        id(x) for x in optree.tree_leaves((args, kwargs))
                         if isinstance(x, torch.Tensor)
                     }
                 if t.requires_grad or id(t) in arg_ids:
@@ -126,6 +145,7 @@ class _Frame:
 
         trace = None
         rng = self.rng
+        args, kwargs = self.inputs()
         _push_hooks(rpack, runpack)
         try:
             with torch.enable_grad(), self.scan.relocated():
@@ -136,9 +156,9 @@ class _Frame:
                         from ._debug import OpTrace
 
                         with OpTrace() as trace:
-                            self.fun(*self.args, **self.kwargs)
+                            self.fun(*args, **kwargs)
                     else:
-                        self.fun(*self.args, **self.kwargs)
+                        self.fun(*args, **kwargs)
                 except _StopRecompute:
                     pass
                 finally:
@@ -178,6 +198,7 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
                devices: list[torch.device]) -> Any:
     """Run ``fun`` so that its saved tensors are recomputed in backward."""
     frame = _Frame(fun, args, kwargs, name, debug)
+    outer = _top_hooks(False)
     snap = RNGSnapshot(devices) if preserve_rng_state else None
     _push_hooks(frame.pack, frame.unpack)
     try:
@@ -195,7 +216,13 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
         # Remember where the tensors the function reaches live, so that the
         # recomputation sees the same ones even if (as with
         # torch.func.functional_call) they are swapped back before backward.
-        frame.scan = scan((fun, args, kwargs))
+        if outer is not None:
+            others = [x for x in optree.tree_leaves((args, kwargs), none_is_leaf=True)
+                      if not isinstance(x, torch.Tensor)]
+            frame.scan = scan((fun, others))
+            frame.stash_inputs(outer)
+        else:
+            frame.scan = scan((fun, args, kwargs))
         frame.scan.record_versions()
     if snap is not None and snap.finish():
         frame.rng = snap
