@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from . import policies
+from ._residuals import Residual, print_saved_residuals, saved_residuals
+from ._saving import checkpoint_name
 from ._errors import MutatedSavedTensorError, PolicyError, RecomputeMismatchError, RematError
 from ._structured import remat_scan, remat_sequential
 from ._transform import checkpoint, remat
@@ -13,6 +15,10 @@ __all__ = [
     "remat",
     "checkpoint",
     "policies",
+    "checkpoint_name",
+    "saved_residuals",
+    "print_saved_residuals",
+    "Residual",
     "checkpoint_policies",
     "remat_sequential",
     "remat_scan",

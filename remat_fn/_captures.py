@@ -82,9 +82,10 @@ class Scan:
     own parameters still sees the tensors the forward used.
     """
 
-    __slots__ = ("tensors", "places", "versions")
+    __slots__ = ("tensors", "places", "versions", "labels")
 
     def __init__(self) -> None:
+        self.labels: dict[int, str] = {}
         self.tensors: dict[int, torch.Tensor] = {}
         self.places: list[tuple[Any, Any, torch.Tensor]] = []
         self.versions: list[tuple[torch.Tensor, int]] = []
@@ -161,14 +162,18 @@ def scan(fn: Any) -> Scan:
     places = res.places
     seen: set[int] = set()
 
-    def put(container: Any, key: Any, t: torch.Tensor) -> None:
+    labels = res.labels
+
+    def put(container: Any, key: Any, t: torch.Tensor, label: Any = None) -> None:
         tensors.setdefault(id(t), t)
         places.append((container, key, t))
+        if label is not None or key is not None:
+            labels.setdefault(id(t), str(label if label is not None else key))
 
-    def visit(obj: Any, depth: int, container: Any = None, key: Any = None) -> None:
+    def visit(obj: Any, depth: int, container: Any = None, key: Any = None, label: Any = None) -> None:
         if isinstance(obj, torch.Tensor):
             if container is not None:
-                put(container, key, obj)
+                put(container, key, obj, label)
             else:
                 tensors.setdefault(id(obj), obj)
             return
@@ -206,12 +211,12 @@ def scan(fn: Any) -> Scan:
         if isinstance(obj, types.FunctionType):
             if not _user_function(obj):
                 return
-            for cell in obj.__closure__ or ():
+            for var, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
                 try:
                     v = cell.cell_contents
                 except ValueError:  # empty cell
                     continue
-                visit(v, depth + 1, cell, None)
+                visit(v, depth + 1, cell, None, var)
             for d in obj.__defaults__ or ():
                 visit(d, depth + 1)
             for d in (obj.__kwdefaults__ or {}).values():

@@ -14,6 +14,7 @@ function on the real (non-detached) inputs, tensors the function closes over,
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any
 
@@ -47,7 +48,7 @@ class _Frame:
 
     __slots__ = (
         "fun", "args", "kwargs", "name", "rng", "meta", "handles", "recomputed",
-        "debug", "fwd_trace", "scan", "stash",
+        "debug", "fwd_trace", "scan", "stash", "rec",
     )
 
     def __init__(self, fun, args, kwargs, name, debug):
@@ -67,6 +68,7 @@ class _Frame:
         # stored through them instead of being held here: an enclosing region
         # can then drop and recompute them, save_on_cpu moves them, and so on.
         self.stash = None
+        self.rec = None  # remat_fn._saving.Record when a policy is in force
 
     def stash_inputs(self, hooks) -> None:
         pack, unpack = hooks
@@ -148,7 +150,7 @@ class _Frame:
         args, kwargs = self.inputs()
         _push_hooks(rpack, runpack)
         try:
-            with torch.enable_grad(), self.scan.relocated():
+            with torch.enable_grad(), self.scan.relocated(), _replaying(self.rec):
                 if rng is not None:
                     rng.__enter__()
                 try:
@@ -194,22 +196,38 @@ def _desc(shape, dtype, device) -> str:
     return f"{short_dtype(dtype)}[{','.join(str(s) for s in shape)}] on {device}"
 
 
+def _replaying(rec):
+    if rec is None:
+        return contextlib.nullcontext()
+    from ._saving import SaveMode
+
+    return SaveMode(rec, recompute=True)
+
+
 def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bool,
-               devices: list[torch.device]) -> Any:
+               devices: list[torch.device], policy=None) -> Any:
     """Run ``fun`` so that its saved tensors are recomputed in backward."""
     frame = _Frame(fun, args, kwargs, name, debug)
     outer = _top_hooks(False)
     snap = RNGSnapshot(devices) if preserve_rng_state else None
+    if policy is not None:
+        from ._saving import Record, SaveMode
+
+        frame.rec = Record(policy)
+        saving = SaveMode(frame.rec, recompute=False)
+    else:
+        saving = contextlib.nullcontext()
     _push_hooks(frame.pack, frame.unpack)
     try:
-        if debug:
-            from ._debug import OpTrace
+        with saving:
+            if debug:
+                from ._debug import OpTrace
 
-            with OpTrace() as tr:
+                with OpTrace() as tr:
+                    out = fun(*args, **kwargs)
+                frame.fwd_trace = tr.ops
+            else:
                 out = fun(*args, **kwargs)
-            frame.fwd_trace = tr.ops
-        else:
-            out = fun(*args, **kwargs)
     finally:
         _pop_hooks()
     if frame.meta:
@@ -224,6 +242,18 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
         else:
             frame.scan = scan((fun, args, kwargs))
         frame.scan.record_versions()
+        if frame.rec is not None:
+            frame.rec.producer = {}
+            from ._residuals import residual_sink
+
+            sink = residual_sink()
+            if sink is not None:
+                for key, _, t, kind, nm in frame.rec.kept():
+                    sink.append((t, kind, nm, f"aten.{key[0].overloadpacket.__name__}"))
+            if outer is not None and frame.rec.entries:
+                frame.rec.stash_through(outer)
+    else:
+        frame.rec = None  # nothing will be recomputed: keep nothing
     if snap is not None and snap.finish():
         frame.rng = snap
     return out

@@ -40,7 +40,7 @@ _GRAD_KEYS = (_F.TransformType.Grad,)
 class _Spec:
     """Everything the Function needs that is not a tensor input."""
 
-    __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "scan", "fwd_hits")
+    __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "scan", "fwd_hits", "rec")
 
     def __init__(self, run, n_in, captured, name, debug, scan):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -53,6 +53,14 @@ class _Spec:
         self.debug = debug
         self.scan = scan
         self.fwd_hits: set[int] = set()
+        self.rec = None  # remat_fn._saving.Record when a policy is in force
+
+    def saving(self, recompute: bool):
+        if self.rec is None:
+            return contextlib.nullcontext()
+        from ._saving import SaveMode
+
+        return SaveMode(self.rec, recompute)
 
     def call(self, tensors, known: set[int] | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
@@ -99,7 +107,10 @@ class _RematFunction(torch.autograd.Function):
     @staticmethod
     def forward(spec: _Spec, *tensors: torch.Tensor):
         known = {id(t) for t in tensors}
-        outs, rebuild = spec.call(tensors, known)
+        with spec.saving(False):
+            outs, rebuild = spec.call(tensors, known)
+        if spec.rec is not None:
+            spec.rec.producer = {}
         inputs = set(id(t) for t in tensors)
         # An output that *is* an input would be aliased by autograd; return a view.
         outs = tuple(o.view_as(o) if id(o) in inputs else o for o in outs)
@@ -143,7 +154,8 @@ class _RematFunction(torch.autograd.Function):
             return tuple(o for o, d in zip(outs, out_diff) if d)
 
         with torch.no_grad() if detach else contextlib.nullcontext(), spec.rng or contextlib.nullcontext():
-            _, vjp_fn = torch.func.vjp(f, *[tensors[i] for i in wrt])
+            with spec.saving(True):
+                _, vjp_fn = torch.func.vjp(f, *[tensors[i] for i in wrt])
             gin = vjp_fn(cot)
         for i, g in zip(wrt, gin):
             result[i + 1] = g
@@ -163,7 +175,7 @@ class _RematFunction(torch.autograd.Function):
             outs = _checked(spec, spec.call(full, None)[0])
             return tuple(o for o, d in zip(outs, out_diff) if d)
 
-        with spec.rng or contextlib.nullcontext():
+        with spec.rng or contextlib.nullcontext(), spec.saving(True):
             _, touts = torch.func.jvp(f, tuple(tensors[i] for i in wrt), tuple(tangents[i] for i in wrt))
         it = iter(touts)
         return tuple(next(it) if d else None for d in out_diff)
@@ -247,15 +259,22 @@ def functional_call(
     preserve_rng_state: bool,
     debug: bool,
     devices: list[torch.device],
+    policy=None,
 ):
     """Apply the region under functorch. Returns (out_tensors, rebuild)."""
     from ._captures import scan as scan_fn
 
     scan = scan_fn(fun)
     captured = scan.captured(exclude_ids)
+    if policy is not None and hasattr(policy, "plan_functorch"):
+        policy = policy.plan_functorch(spec_run, inputs, captured)
     snap = RNGSnapshot(devices) if preserve_rng_state else None
     for _ in range(10_000):
         spec = _Spec(spec_run, len(inputs), captured, name, debug, scan)
+        if policy is not None:
+            from ._saving import Record
+
+            spec.rec = Record(policy)
         try:
             outs = _RematFunction.apply(spec, *inputs, *captured)
         except MissedCapture as e:

@@ -130,16 +130,9 @@ checkpoint = remat
 
 
 def _resolve_policy(policy: Any):
-    if policy is None:
-        return None
-    from . import policies
+    from ._saving import normalize_policy
 
-    if policy is policies.nothing_saveable:
-        return None
-    raise NotImplementedError(
-        "remat_fn: only policy=None / nothing_saveable is supported in this version; "
-        "selective saving arrives with remat_fn.policies."
-    )
+    return normalize_policy(policy)
 
 
 def _make(fun, *, policy, static_argnums, static_argnames, prevent_cse, preserve_rng_state, debug):
@@ -163,6 +156,9 @@ def _make(fun, *, policy, static_argnums, static_argnames, prevent_cse, preserve
                         f"{_name_of(fun)}{sig}. Fix the name or remove it from static_argnames."
                     )
     name = _name_of(fun)
+    from .policies import memory_budget
+
+    pol = _Budgeted(policy) if isinstance(policy, memory_budget) else policy
 
     def wrapper(*args, **kwargs):
         if torch.compiler.is_compiling():  # see remat_fn/_compile.py
@@ -170,7 +166,7 @@ def _make(fun, *, policy, static_argnums, static_argnames, prevent_cse, preserve
 
             return compiled_call(fun, args, kwargs, policy=policy, preserve_rng_state=preserve_rng_state)
         return _call(fun, name, args, kwargs, static_argnums, static_argnames,
-                     preserve_rng_state, debug)
+                     preserve_rng_state, debug, pol)
 
     try:
         functools.update_wrapper(wrapper, fun)
@@ -205,11 +201,11 @@ def _forward_mode_only_or_nested(stack) -> bool:
     return n_jvp >= 2
 
 
-def _call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug):
+def _call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug, pol):
     if torch._C._are_functorch_transforms_active():
         if _forward_mode_only_or_nested(_F.get_interpreter_stack()):
             return fun(*args, **kwargs)
-        return _functorch_call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug)
+        return _functorch_call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug, pol)
     if not torch.is_grad_enabled():
         return fun(*args, **kwargs)  # nothing is saved without grad mode
     if argnums:
@@ -217,9 +213,10 @@ def _call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug)
     if not _hooks_enabled():
         # saved-tensor hooks are switched off (e.g. by a failed torch.compile);
         # the autograd.Function path needs none.
-        return _functorch_call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug)
+        return _functorch_call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug, pol)
     devices = _devices(args, kwargs) if (preserve_rng_state and _has_accelerator()) else []
-    return eager_call(fun, args, kwargs, name, preserve_rng_state, debug, devices)
+    policy = pol.plan_eager(fun, args, kwargs) if isinstance(pol, _Budgeted) else pol
+    return eager_call(fun, args, kwargs, name, preserve_rng_state, debug, devices, policy)
 
 
 def _devices(args, kwargs):
@@ -236,7 +233,7 @@ def _check_argnums(argnums, nargs, name):
             )
 
 
-def _functorch_call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug):
+def _functorch_call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug, pol):
     nargs = len(args)
     _check_argnums(argnums, nargs, name)
     static_pos = {n % nargs for n in argnums} if nargs else set()
@@ -283,6 +280,76 @@ def _functorch_call(fun, name, args, kwargs, argnums, argnames, preserve_rng_sta
     others = [x for x in leaves if not isinstance(x, torch.Tensor)]
     roots = (fun, others, static_args, static_kwargs)
     outs, rebuild = functional_call(
-        run, inputs, {id(t) for t in inputs}, roots, name, preserve_rng_state, debug, devices
+        run, inputs, {id(t) for t in inputs}, roots, name, preserve_rng_state, debug, devices, pol
     )
     return rebuild(outs)
+
+
+def _example(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor of one example behind functorch wrappers."""
+    while _F.is_functorch_wrapped_tensor(t):
+        if _F.is_batchedtensor(t):
+            bdim = _F.maybe_get_bdim(t)
+            t = _F.get_unwrapped(t)
+            if bdim is not None and bdim >= 0:
+                t = t.select(bdim, 0)
+        else:
+            t = _F.get_unwrapped(t)
+    return t.detach()
+
+
+def _leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    t = t.detach()
+    if requires_grad and (t.is_floating_point() or t.is_complex()):
+        t.requires_grad_(True)
+    return t
+
+
+class _Budgeted:
+    """A memory_budget policy with its plans, cached per input signature."""
+
+    def __init__(self, budget):
+        self.budget = budget
+        self.plans: dict = {}
+
+    @staticmethod
+    def _sig(tag, tensors):
+        return (tag, tuple((tuple(t.shape), t.dtype, t.device.type) for t in tensors))
+
+    def plan_eager(self, fun, args, kwargs):
+        from ._budget import make_plan, measure
+
+        leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+        ts = [x for x in leaves if isinstance(x, torch.Tensor)]
+        sig = self._sig("eager", ts)
+        plan = self.plans.get(sig)
+        if plan is None:
+            def run():
+                lv = [_leaf(x, x.requires_grad) if isinstance(x, torch.Tensor) else x for x in leaves]
+                a, kw = optree.tree_unflatten(spec, lv)
+                return fun(*a, **kw)
+
+            items, ref = measure(run)
+            plan = self.plans[sig] = make_plan(self.budget.fraction, items, ref)
+        return plan
+
+    def plan_functorch(self, run, inputs, captured):
+        from ._budget import make_plan, measure
+        from ._captures import CaptureMode, needs_grad
+
+        ex = [_example(t) for t in inputs]
+        sig = self._sig("func", ex)
+        plan = self.plans.get(sig)
+        if plan is None:
+            grads = [needs_grad(t) for t in inputs]
+            cap = [(c, _example(c)) for c in captured]
+
+            def r():
+                xs = [_leaf(t, g) for t, g in zip(ex, grads)]
+                subst = {id(o): _leaf(b, True) for o, b in cap}
+                with CaptureMode(subst, None):
+                    return run(xs)
+
+            items, ref = measure(r)
+            plan = self.plans[sig] = make_plan(self.budget.fraction, items, ref)
+        return plan

@@ -1,10 +1,320 @@
-"""Rematerialisation policies (JAX names)."""
+"""Rematerialisation policies: which intermediate values to save, offload or recompute.
+
+A policy is a small callable with the signature of
+``torch.utils.checkpoint``'s selective-checkpoint policies::
+
+    policy(ctx, op, *args, **kwargs) -> bool | CheckpointPolicy | Offload
+
+It is called once per aten op that runs inside a region during the forward
+(``op`` is the ``OpOverload``, ``args``/``kwargs`` its arguments, and
+``ctx.is_recompute`` is ``False``), and once per :func:`remat_fn.checkpoint_name`
+call, with ``op`` the :data:`NAMED` marker, ``args == (tensor,)`` and
+``kwargs == {"name": name}``.  ``True`` / ``MUST_SAVE`` / ``PREFER_SAVE`` save
+the value (its op is not re-run in backward), ``False`` / ``PREFER_RECOMPUTE``
+recompute it, ``MUST_RECOMPUTE`` on a name forces recomputation even if an op
+rule saved it, and an :class:`Offload` (or torch's ``MUST_CPU_OFFLOAD``) moves
+it to another device until backward needs it.  Any existing torch SAC policy
+function, or a list of ops ("save these"), works unchanged.
+
+The built-in policies carry JAX's names.  Parameterised ones are frozen
+dataclasses, so they compare and hash:
+
+>>> from remat_fn import policies
+>>> policies.save_only_these_names("a", "b") == policies.save_only_these_names("a", "b")
+True
+>>> policies.dots_saveable is policies.checkpoint_dots
+True
+"""
 
 from __future__ import annotations
 
-__all__ = ["nothing_saveable"]
+import dataclasses
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ._errors import PolicyError
+
+__all__ = [
+    "CheckpointPolicy",
+    "Offload",
+    "NAMED",
+    "everything_saveable",
+    "nothing_saveable",
+    "dots_saveable",
+    "checkpoint_dots",
+    "dots_with_no_batch_dims_saveable",
+    "checkpoint_dots_with_no_batch_dims",
+    "save_only_these_names",
+    "save_any_names_but_these",
+    "save_anything_except_these_names",
+    "save_from_both_policies",
+    "save_and_offload_only_these_names",
+    "offload_dot_with_no_batch_dims",
+    "memory_budget",
+    "DOT_OPS",
+    "DOT_OPS_NO_BATCH",
+]
+
+aten = torch.ops.aten
 
 
-def nothing_saveable(*_args, **_kwargs) -> bool:
-    """Save nothing: recompute every intermediate value (the default policy)."""
+class _Named:
+    """Marker passed as ``op`` when a policy is asked about a named value."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "remat_fn.policies.NAMED"
+
+
+NAMED = _Named()
+
+
+def _packets(*names: str) -> frozenset:
+    out = []
+    for n in names:
+        p = getattr(aten, n, None)
+        if p is not None:
+            out.append(p)
+    return frozenset(out)
+
+
+#: matmul-like and attention ops (as aten overload packets).
+DOT_OPS = _packets(
+    "mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "dot", "vdot", "mv", "addmv",
+    "convolution", "_convolution", "conv1d", "conv2d", "conv3d", "cudnn_convolution",
+    "mkldnn_convolution", "convolution_overrideable",
+    "scaled_dot_product_attention", "_scaled_dot_product_attention_math",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward",
+)
+#: matmul-like ops whose operands have no batch dimension.
+DOT_OPS_NO_BATCH = _packets("mm", "addmm", "dot", "vdot", "mv", "addmv")
+
+
+def _packet(op: Any):
+    return getattr(op, "overloadpacket", op)
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    """Decision: keep the value on ``dst`` (e.g. ``"cpu"``) until backward needs it.
+
+    ``src`` restricts the offload to values living on that device type
+    (``None``: any); values elsewhere are simply saved.
+    """
+
+    dst: str = "cpu"
+    src: str | None = None
+
+    def __post_init__(self) -> None:
+        for what, dev in (("offload_dst", self.dst), ("offload_src", self.src)):
+            if dev is None:
+                continue
+            try:
+                torch.device(dev)
+            except (RuntimeError, TypeError):
+                raise PolicyError(
+                    f"unknown {what} device {dev!r}; use a torch device string such as "
+                    "'cpu' or 'cuda'."
+                ) from None
+
+    @property
+    def name(self) -> str:
+        """Lets ``torch.compile`` map the decision onto torch's ``MUST_CPU_OFFLOAD``."""
+        return "MUST_CPU_OFFLOAD"
+
+
+def _is_named(op: Any) -> bool:
+    return op is NAMED
+
+
+# -- simple policies ---------------------------------------------------------
+
+
+def everything_saveable(ctx, op, *args, **kwargs) -> bool:
+    """Save every value: nothing is recomputed (remat becomes a no-op)."""
+    return True
+
+
+def nothing_saveable(ctx, op, *args, **kwargs) -> bool:
+    """Save nothing but the region's inputs: recompute everything (the default)."""
     return False
+
+
+def dots_saveable(ctx, op, *args, **kwargs) -> bool:
+    """Save the outputs of matmul-like ops (mm, bmm, addmm, baddbmm, matmul, linear,
+    convolution) and attention ops; recompute the rest."""
+    return not _is_named(op) and _packet(op) in DOT_OPS
+
+
+checkpoint_dots = dots_saveable
+
+
+def dots_with_no_batch_dims_saveable(ctx, op, *args, **kwargs) -> bool:
+    """Save the outputs of matmuls without batch dimensions (mm, addmm, mv, dot)."""
+    return not _is_named(op) and _packet(op) in DOT_OPS_NO_BATCH
+
+
+checkpoint_dots_with_no_batch_dims = dots_with_no_batch_dims_saveable
+
+
+# -- name policies -------------------------------------------------------------
+
+
+def _names(names: tuple) -> frozenset[str]:
+    for n in names:
+        if not isinstance(n, str):
+            raise PolicyError(f"policy names must be strings, got {n!r}")
+    return frozenset(names)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class save_only_these_names:
+    """Save only the values named (with :func:`remat_fn.checkpoint_name`) in ``names``."""
+
+    names: frozenset[str]
+
+    def __init__(self, *names: str):
+        object.__setattr__(self, "names", _names(names))
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        return _is_named(op) and kwargs.get("name") in self.names
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class save_any_names_but_these:
+    """Save every named value except those in ``names``; recompute unnamed values."""
+
+    names: frozenset[str]
+
+    def __init__(self, *names: str):
+        object.__setattr__(self, "names", _names(names))
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        return _is_named(op) and kwargs.get("name") not in self.names
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class save_anything_except_these_names:
+    """Save every value (named or not) except the values named in ``names``.
+
+    Unlike JAX's version, the excluded values really are recomputed: the op
+    that produced an excluded value is not saved even though "anything" else is.
+    """
+
+    names: frozenset[str]
+
+    def __init__(self, *names: str):
+        object.__setattr__(self, "names", _names(names))
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        if _is_named(op):
+            return CheckpointPolicy.MUST_RECOMPUTE if kwargs.get("name") in self.names else True
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class save_from_both_policies:
+    """Save what either policy saves (offload what either offloads and neither saves)."""
+
+    policy_1: Any
+    policy_2: Any
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        from ._saving import decide
+
+        d1 = decide(self.policy_1, ctx, op, args, kwargs)
+        d2 = decide(self.policy_2, ctx, op, args, kwargs)
+        if d1 == "save" or d2 == "save":
+            return CheckpointPolicy.MUST_SAVE
+        if isinstance(d1, Offload):
+            return d1
+        if isinstance(d2, Offload):
+            return d2
+        if d1 == "force" or d2 == "force":
+            return CheckpointPolicy.MUST_RECOMPUTE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class save_and_offload_only_these_names:
+    """Save the values named in ``names_which_can_be_saved``, offload those named in
+    ``names_which_can_be_offloaded`` from ``offload_src`` to ``offload_dst``, and
+    recompute everything else."""
+
+    names_which_can_be_saved: frozenset[str]
+    names_which_can_be_offloaded: frozenset[str]
+    offload_src: str
+    offload_dst: str
+
+    def __init__(self, *, names_which_can_be_saved=(), names_which_can_be_offloaded=(),
+                 offload_src: str = "cuda", offload_dst: str = "cpu"):
+        saved = _names(tuple(names_which_can_be_saved))
+        offl = _names(tuple(names_which_can_be_offloaded))
+        both = saved & offl
+        if both:
+            raise PolicyError(
+                f"names {sorted(both)} are both in names_which_can_be_saved and "
+                "names_which_can_be_offloaded; a value is either saved or offloaded. "
+                "Remove them from one of the two."
+            )
+        Offload(offload_dst, offload_src)  # validates the devices
+        object.__setattr__(self, "names_which_can_be_saved", saved)
+        object.__setattr__(self, "names_which_can_be_offloaded", offl)
+        object.__setattr__(self, "offload_src", offload_src)
+        object.__setattr__(self, "offload_dst", offload_dst)
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        if not _is_named(op):
+            return False
+        name = kwargs.get("name")
+        if name in self.names_which_can_be_saved:
+            return True
+        if name in self.names_which_can_be_offloaded:
+            return Offload(self.offload_dst, self.offload_src)
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class offload_dot_with_no_batch_dims:
+    """Offload the outputs of matmuls without batch dimensions; recompute the rest."""
+
+    offload_src: str = "cuda"
+    offload_dst: str = "cpu"
+
+    def __post_init__(self) -> None:
+        Offload(self.offload_dst, self.offload_src)
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        if not _is_named(op) and _packet(op) in DOT_OPS_NO_BATCH:
+            return Offload(self.offload_dst, self.offload_src)
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class memory_budget:
+    """Automatic policy: save at most ``fraction`` of the activation bytes that the
+    region would keep without remat, choosing what to save to minimise recompute.
+
+    On the first call for given input shapes/dtypes the region is run once to
+    measure each op's output bytes and cost (FLOPs for matmul-like ops, output
+    elements for the rest) and which tensors autograd would save; a 0-1 knapsack
+    picks the ops to save.  The plan is cached per input signature.  Works in
+    eager mode and under ``torch.func``.
+    """
+
+    fraction: float
+
+    def __post_init__(self) -> None:
+        f = self.fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+            raise PolicyError(f"memory_budget fraction must be a number in [0, 1], got {f!r}")
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        # Under torch.compile the plan is not available; torch's own partitioner
+        # decides (see torch._functorch.config.activation_memory_budget).
+        return CheckpointPolicy.PREFER_RECOMPUTE

@@ -260,8 +260,6 @@ def _mm_fn(x, y):
     return torch.sigmoid(torch.matmul(torch.matmul(x, y), y)) * y
 
 
-@pytest.mark.xfail(raises=NotImplementedError, strict=True,
-                   reason="remat(policy=<callable>) not implemented yet in the core")
 @pytest.mark.parametrize("as_list", [True, False])
 def test_selective_checkpoint_context_fn(as_list):
     ops = [torch.ops.aten.mm.default]

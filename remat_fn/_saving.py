@@ -1,0 +1,415 @@
+"""Policy decisions inside a region: what is saved, offloaded or recomputed.
+
+A :class:`Record` belongs to one call of one region.  During the forward a
+:class:`SaveMode` (a ``TorchDispatchMode``, below autograd and below the
+functorch layers, so it sees the real tensors) asks the policy about every op
+and keeps the outputs it decides to save, keyed by ``(op, n-th call of that
+op)`` as torch's selective checkpointing does.  During a recomputation the
+same mode returns the kept outputs instead of running those ops, so saved ops
+cost nothing in backward.  :func:`checkpoint_name` lets name policies save (or
+offload, or force the recomputation of) the op that produced a named value.
+Offloaded values live on another device until the recomputation starts, when
+they are all sent back at once (asynchronously on CUDA, see :class:`Offloader`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import optree
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ._errors import PolicyError, RecomputeMismatchError
+from .policies import NAMED, Offload
+
+__all__ = ["Record", "SaveMode", "decide", "checkpoint_name", "Offloader", "normalize_policy"]
+
+_F = torch._C._functorch
+_local = threading.local()
+
+_SAVE = frozenset({CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE})
+_CPU_OFFLOAD = frozenset(
+    p for p in (getattr(CheckpointPolicy, "MUST_CPU_OFFLOAD", None),
+                getattr(CheckpointPolicy, "PREFER_CPU_OFFLOAD", None)) if p is not None
+)
+
+
+class PolicyContext:
+    """What a policy sees as ``ctx`` (compatible with torch's SelectiveCheckpointContext)."""
+
+    __slots__ = ("is_recompute", "key", "name")
+
+    def __init__(self):
+        self.is_recompute = False
+        self.key = None
+        self.name = None
+
+
+def decide(policy, ctx, op, args, kwargs):
+    """Normalise a policy's answer to ``"save"``, ``"recompute"``, ``"force"`` or an Offload."""
+    d = policy(ctx, op, *args, **kwargs)
+    if d is True:
+        return "save"
+    if d is False:
+        return "recompute"
+    if isinstance(d, CheckpointPolicy):
+        if d in _SAVE:
+            return "save"
+        if d in _CPU_OFFLOAD:
+            return Offload("cpu")
+        if d is CheckpointPolicy.MUST_RECOMPUTE and op is NAMED:
+            return "force"
+        return "recompute"
+    if isinstance(d, Offload):
+        return d
+    raise PolicyError(
+        f"the policy {getattr(policy, '__name__', policy)!r} returned {d!r} for {op}; a policy "
+        "must return a bool, a torch.utils.checkpoint.CheckpointPolicy or a "
+        "remat_fn.policies.Offload. Fix the policy's return value."
+    )
+
+
+class _OpList:
+    """A list of ops given as a policy: save exactly those ops."""
+
+    __slots__ = ("ops",)
+
+    def __init__(self, ops):
+        items = set()
+        for o in ops:
+            if not isinstance(o, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+                raise PolicyError(
+                    f"a list policy must contain aten ops (e.g. torch.ops.aten.mm.default), "
+                    f"got {o!r}"
+                )
+            items.add(o)
+        self.ops = frozenset(items)
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        return op is not NAMED and (op in self.ops or getattr(op, "overloadpacket", None) in self.ops)
+
+    def __repr__(self):
+        return f"ops({sorted(map(str, self.ops))})"
+
+
+def normalize_policy(policy):
+    """``None`` for "recompute everything", otherwise a callable policy."""
+    from . import policies
+
+    if policy is None or policy is policies.nothing_saveable:
+        return None
+    if isinstance(policy, (list, tuple, set, frozenset)):
+        return _OpList(policy)
+    if callable(policy):
+        return policy
+    raise PolicyError(
+        f"policy must be None, a callable policy(ctx, op, *args, **kwargs) (e.g. one of "
+        f"remat_fn.policies) or a list of aten ops; got {policy!r}"
+    )
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    while _F.is_functorch_wrapped_tensor(t):
+        t = _F.get_unwrapped(t)
+    return t
+
+
+def _meta(args) -> tuple:
+    return tuple(
+        (tuple(a.shape), a.dtype) for a in optree.tree_leaves(args) if isinstance(a, torch.Tensor)
+    )
+
+
+class Offloader:
+    """Moves offloaded values to their destination and back, counting transfers.
+
+    On CUDA sources with a CPU destination the copy goes into pinned host
+    memory on a side stream (the source tensor is kept alive on that stream
+    until the copy is done via ``record_stream``); :meth:`prefetch` issues all
+    host-to-device copies of a region on the side stream when its
+    recomputation starts, and :meth:`fetch` makes the compute stream wait on
+    the copy's event.  Elsewhere (CPU to CPU in this project's CI) the copies
+    are synchronous.
+    """
+
+    def __init__(self):
+        self.to_dst = 0
+        self.to_src = 0
+        self._stream = None
+
+    def _side_stream(self, device):  # pragma: no cover - needs CUDA
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    def put(self, t: torch.Tensor, dst: torch.device):
+        self.to_dst += 1
+        if t.is_cuda and dst.type == "cpu":  # pragma: no cover - needs CUDA
+            stream = self._side_stream(t.device)
+            stream.wait_stream(torch.cuda.current_stream(t.device))
+            buf = torch.empty_like(t, device="cpu", pin_memory=True)
+            with torch.cuda.stream(stream):
+                buf.copy_(t, non_blocking=True)
+                t.record_stream(stream)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            return [buf, t.device, ev, None]
+        return [t.to(dst, copy=True), t.device, None, None]
+
+    def prefetch(self, h) -> None:
+        buf, device, ev, back = h
+        if back is not None or device.type != "cuda":
+            return
+        stream = self._side_stream(device)  # pragma: no cover - needs CUDA
+        with torch.cuda.stream(stream):  # pragma: no cover
+            if ev is not None:
+                stream.wait_event(ev)
+            h[3] = buf.to(device, non_blocking=True)
+            ev2 = torch.cuda.Event()
+            ev2.record(stream)
+            h[2] = ev2
+
+    def fetch(self, h) -> torch.Tensor:
+        buf, device, ev, back = h
+        self.to_src += 1
+        if device.type == "cuda":  # pragma: no cover - needs CUDA
+            if back is None:
+                self.prefetch(h)
+                back = h[3]
+            torch.cuda.current_stream(device).wait_event(h[2])
+            back.record_stream(torch.cuda.current_stream(device))
+            h[3] = None  # the next backward fetches again
+            return back
+        return buf.to(device, copy=True)
+
+
+class _Entry:
+    """What is kept of one op's output: the whole output, or some of its tensors."""
+
+    __slots__ = ("out", "parts", "meta", "offloaded", "kind", "name")
+
+    def __init__(self, meta):
+        self.out = None  # full output (pytree of tensors), or None
+        self.parts: dict[int, Any] = {}  # index -> tensor (or offload handle)
+        self.meta = meta
+        self.offloaded: dict[int, Any] = {}
+        self.kind = "saved"
+        self.name: str | None = None
+
+
+class Record:
+    """Policy state of one region call: decisions and what is kept."""
+
+    def __init__(self, policy, offloader: Offloader | None = None):
+        self.policy = policy
+        self.entries: dict[tuple, _Entry] = {}
+        self.producer: dict[int, tuple] = {}
+        self.offloader = offloader or Offloader()
+        self.ctx = PolicyContext()
+        self.stash = None  # (packed entries, unpack) when stored through outer hooks
+
+    # -- forward -------------------------------------------------------------
+    def after_op(self, func, key, args, kwargs, out) -> None:
+        leaves = out if type(out) in (tuple, list) else (out,)
+        for i, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor):
+                self.producer[id(t)] = (key, i, len(leaves))
+        if self.policy is None or func._schema.is_mutable or func.is_view:
+            return
+        if not any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) for t in leaves):
+            return
+        ctx = self.ctx
+        ctx.key = key
+        ctx.name = None
+        d = decide(self.policy, ctx, func, args, kwargs)
+        if d == "save":
+            e = self.entries.setdefault(key, _Entry(_meta(args)))
+            e.out = out
+        elif isinstance(d, Offload):
+            self._offload(key, args, leaves, range(len(leaves)), d)
+
+    def _offload(self, key, args, leaves, idxs, d: Offload, name=None) -> None:
+        e = self.entries.get(key)
+        if e is None:
+            e = self.entries[key] = _Entry(None)
+        for i in idxs:
+            t = leaves[i]
+            if not isinstance(t, torch.Tensor):
+                continue
+            if d.src is not None and t.device.type != torch.device(d.src).type:
+                e.parts[i] = t  # not on the offload source: just keep it
+                continue
+            e.offloaded[i] = self.offloader.put(t, torch.device(d.dst))
+        e.kind = "offloaded" if e.offloaded else e.kind
+        e.name = name or e.name
+
+    def named(self, t: torch.Tensor, name: str) -> None:
+        base = _base(t)
+        ctx = self.ctx
+        ctx.key = None
+        ctx.name = name
+        d = decide(self.policy, ctx, NAMED, (t,), {"name": name})
+        where = self.producer.get(id(base))
+        if where is None:
+            return  # an input of the region (always kept) or not made by an op
+        key, i, n = where
+        if d == "save":
+            e = self.entries.setdefault(key, _Entry(None))
+            if e.out is None:
+                e.parts[i] = base
+            e.name = name
+        elif isinstance(d, Offload):
+            leaves = [None] * n
+            leaves[i] = base
+            e = self.entries.get(key)
+            if e is not None and e.out is not None:  # op rule saved it; offload instead
+                e.out = None
+            self._offload(key, None, leaves, (i,), d, name)
+        elif d == "force":
+            self.entries.pop(key, None)
+
+    def stash_through(self, hooks) -> None:
+        """Store the kept tensors through enclosing saved-tensor hooks."""
+        pack, unpack = hooks
+
+        def p(x):
+            return (True, pack(x)) if isinstance(x, torch.Tensor) else (False, x)
+
+        packed = {}
+        for key, e in self.entries.items():
+            out = None
+            if e.out is not None:
+                out = (type(e.out), [p(x) for x in e.out]) if type(e.out) in (tuple, list) else (None, [p(e.out)])
+            packed[key] = (out, {i: pack(t) for i, t in e.parts.items()})
+            e.out = None
+            e.parts = {}
+        self.stash = (packed, unpack)
+
+    def unstash(self) -> None:
+        if self.stash is None:
+            return
+        packed, unpack = self.stash
+        for key, (out, parts) in packed.items():
+            e = self.entries[key]
+            if out is not None:
+                typ, items = out
+                vals = [unpack(v) if is_t else v for is_t, v in items]
+                e.out = typ(vals) if typ is not None else vals[0]
+            e.parts = {i: unpack(h) for i, h in parts.items()}
+
+    def kept(self):
+        """Yield ``(key, index, tensor_or_handle, kind, name)`` of everything kept."""
+        for key, e in self.entries.items():
+            if e.out is not None:
+                leaves = e.out if type(e.out) in (tuple, list) else (e.out,)
+                for i, t in enumerate(leaves):
+                    if isinstance(t, torch.Tensor):
+                        yield key, i, t, "saved", e.name
+            for i, t in e.parts.items():
+                yield key, i, t, "saved", e.name
+            for i, h in e.offloaded.items():
+                yield key, i, h[0], "offloaded", e.name
+
+    # -- recompute -------------------------------------------------------------
+    def prefetch(self) -> None:
+        for e in self.entries.values():
+            for h in e.offloaded.values():
+                self.offloader.prefetch(h)
+
+    def replay(self, func, key, args, kwargs):
+        e = self.entries.get(key)
+        if e is None:
+            return func(*args, **kwargs)
+        if e.meta is not None and e.meta != _meta(args):
+            raise RecomputeMismatchError(
+                f"Recomputing a remat region ran {func} (call #{key[1]}) on inputs "
+                f"{_meta(args)} but the forward ran it on {e.meta}. The region must run the "
+                "same ops each time: make control flow depend only on its arguments."
+            )
+        if e.out is not None:
+            return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x,
+                                   e.out, none_is_leaf=True)
+        if _single_output(func) and (0 in e.parts or 0 in e.offloaded):
+            return e.parts[0].detach() if 0 in e.parts else self.offloader.fetch(e.offloaded[0])
+        out = func(*args, **kwargs)
+        multi = type(out) in (tuple, list)
+        leaves = list(out) if multi else [out]
+        for i, t in e.parts.items():
+            leaves[i] = t.detach()
+        for i, h in e.offloaded.items():
+            leaves[i] = self.offloader.fetch(h)
+        return type(out)(leaves) if multi else leaves[0]
+
+
+def _single_output(func) -> bool:
+    rets = func._schema.returns
+    return len(rets) == 1 and str(rets[0].type) == "Tensor"
+
+
+class SaveMode(TorchDispatchMode):
+    """Applies a :class:`Record` in the forward (``recompute=False``) or replays it."""
+
+    def __init__(self, rec: Record, recompute: bool):
+        super().__init__()
+        self.rec = rec
+        self.recompute = recompute
+        self.counts: dict[Any, int] = {}
+
+    def __enter__(self):
+        stack = getattr(_local, "stack", None)
+        if stack is None:
+            stack = _local.stack = []
+        stack.append(self)
+        if self.recompute:
+            self.rec.unstash()
+            self.rec.prefetch()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _local.stack.pop()
+            if self.recompute and self.rec.stash is not None:
+                for e in self.rec.entries.values():  # back in the enclosing hooks' hands
+                    e.out = None
+                    e.parts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        n = self.counts.get(func, 0)
+        self.counts[func] = n + 1
+        key = (func, n)
+        if self.recompute:
+            return self.rec.replay(func, key, args, kwargs)
+        out = func(*args, **kwargs)
+        self.rec.after_op(func, key, args, kwargs, out)
+        return out
+
+
+def checkpoint_name(x: Any, name: str) -> Any:
+    """Tag ``x`` (a tensor or a pytree of tensors) with ``name``; returns ``x`` unchanged.
+
+    Inside a :func:`remat_fn.remat` region, name policies
+    (``save_only_these_names``, ``save_and_offload_only_these_names``, ...)
+    decide from the name whether the value is saved, offloaded or recomputed.
+    Outside a region it does nothing.
+
+    >>> import torch, remat_fn
+    >>> y = remat_fn.checkpoint_name(torch.ones(2), "h")
+    >>> y
+    tensor([1., 1.])
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"checkpoint_name expects a string name, got {name!r}")
+    stack = getattr(_local, "stack", None)
+    if stack:
+        mode = stack[-1]
+        if not mode.recompute and mode.rec.policy is not None:
+            for t in optree.tree_leaves(x):
+                if isinstance(t, torch.Tensor):
+                    mode.rec.named(t, name)
+    return x
