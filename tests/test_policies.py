@@ -1,0 +1,185 @@
+"""Policies: gradients, recompute counts, names, offload, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import grad, vmap
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy
+
+import remat_fn
+from remat_fn import PolicyError, checkpoint_name, policies as P, remat
+
+from ._util import assert_tree_close
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        k = func.overloadpacket.__name__
+        self.n[k] = self.n.get(k, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def block(x, w1, w2):
+    h = torch.tanh(x @ w1)
+    h = checkpoint_name(h, "h")
+    u = checkpoint_name(h @ w2, "u")
+    return torch.sin(u) * x
+
+
+def loss(blk):
+    return lambda x, w1, w2: blk(blk(x, w1, w2), w1, w2).sum()
+
+
+G = torch.Generator().manual_seed(0)
+X = torch.randn(6, 5, generator=G, dtype=torch.float64)
+W1 = torch.randn(5, 5, generator=G, dtype=torch.float64)
+W2 = torch.randn(5, 5, generator=G, dtype=torch.float64)
+
+ALL_POLICIES = {
+    "nothing": P.nothing_saveable,
+    "everything": P.everything_saveable,
+    "dots": P.dots_saveable,
+    "dots_no_batch": P.dots_with_no_batch_dims_saveable,
+    "only_h": P.save_only_these_names("h"),
+    "names_but_h": P.save_any_names_but_these("h"),
+    "except_h": P.save_anything_except_these_names("h"),
+    "both": P.save_from_both_policies(P.dots_saveable, P.save_only_these_names("h")),
+    "save_offload": P.save_and_offload_only_these_names(
+        names_which_can_be_saved=["u"], names_which_can_be_offloaded=["h"], offload_src="cpu", offload_dst="cpu"),
+    "offload_dots": P.offload_dot_with_no_batch_dims("cpu", "cpu"),
+    "budget_0.3": P.memory_budget(0.3),
+    "op_list": [torch.ops.aten.mm.default],
+    "sac_callable": lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.tanh.default
+    else CheckpointPolicy.PREFER_RECOMPUTE,
+}
+
+
+@pytest.mark.parametrize("name", list(ALL_POLICIES))
+def test_policy_gradients_equal_plain(name):
+    pol = ALL_POLICIES[name]
+    rblk = remat(block, policy=pol)
+    ref = grad(loss(block), argnums=(0, 1, 2))(X, W1, W2)
+    assert_tree_close(grad(loss(rblk), argnums=(0, 1, 2))(X, W1, W2), ref, exact=True)
+    # eager, with retain_graph twice
+    xs, a, b = (t.clone().requires_grad_() for t in (X, W1, W2))
+    y = loss(rblk)(xs, a, b)
+    g1 = torch.autograd.grad(y, (xs, a, b), retain_graph=True)
+    g2 = torch.autograd.grad(y, (xs, a, b))
+    assert_tree_close(g1, ref, exact=True)
+    assert_tree_close(g2, ref, exact=True)
+    # per-sample gradients
+    xs3 = X.reshape(3, 2, 5)
+    ref_ps = vmap(grad(loss(block), argnums=1), in_dims=(0, None, None))(xs3, W1, W2)
+    got_ps = vmap(grad(loss(rblk), argnums=1), in_dims=(0, None, None))(xs3, W1, W2)
+    assert_tree_close(got_ps, ref_ps, rtol=1e-12, atol=1e-12)
+
+
+def _mm_count(fn, eager: bool):
+    with CountOps() as c:
+        if eager:
+            xs, a, b = (t.clone().requires_grad_() for t in (X, W1, W2))
+            loss(fn)(xs, a, b).backward()
+        else:
+            grad(loss(fn), argnums=(0, 1, 2))(X, W1, W2)
+    return c.n.get("mm", 0)
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_recompute_counts(eager):
+    plain = _mm_count(block, eager)
+    n_mm_forward = 4  # 2 blocks x 2 matmuls
+    assert _mm_count(remat(block, policy=P.dots_saveable), eager) == plain
+    assert _mm_count(remat(block), eager) == plain + n_mm_forward
+    assert _mm_count(remat(block, policy=P.everything_saveable), eager) == plain
+    # names: u is h @ w2's output, so saving it skips that matmul
+    assert _mm_count(remat(block, policy=P.save_only_these_names("u")), eager) == plain + 2
+    # excluding u from "everything" recomputes exactly that matmul
+    assert _mm_count(remat(block, policy=P.save_anything_except_these_names("u")), eager) == plain + 2
+
+
+def test_offload_moves_and_restores_with_counted_transfers(monkeypatch):
+    from remat_fn import _saving
+
+    made = []
+    orig = _saving.Offloader.__init__
+
+    def init(self):
+        orig(self)
+        made.append(self)
+
+    monkeypatch.setattr(_saving.Offloader, "__init__", init)
+    pol = P.save_and_offload_only_these_names(names_which_can_be_offloaded=["h"], offload_src="cpu",
+                                              offload_dst="cpu")
+    rblk = remat(block, policy=pol)
+    xs, a, b = (t.clone().requires_grad_() for t in (X, W1, W2))
+    with CountOps() as c:
+        y = loss(rblk)(xs, a, b)
+    tanh_fwd = c.n["tanh"]
+    y.backward()
+    assert [o.to_dst for o in made] == [1, 1] and [o.to_src for o in made] == [1, 1]
+    # tanh is not recomputed: its output comes back from the offload destination
+    with CountOps() as c2:
+        y = loss(rblk)(xs, a, b)
+        y.backward()
+    assert c2.n["tanh"] == tanh_fwd
+    ref = torch.autograd.grad(loss(block)(xs, a, b), (xs, a, b))
+    assert_tree_close((xs.grad, a.grad, b.grad), tuple(2 * r for r in ref), rtol=1e-12, atol=1e-12)
+
+
+def test_saved_values_are_kept_offloaded_ones_are_moved():
+    pol = P.save_and_offload_only_these_names(names_which_can_be_saved=["u"], names_which_can_be_offloaded=["h"],
+                                              offload_src="cpu", offload_dst="cpu")
+    res = remat_fn.saved_residuals(loss(remat(block, policy=pol)), X, W1, W2)
+    kinds = {(r.kind, r.name) for r in res if r.kind in ("saved", "offloaded")}
+    assert ("offloaded", "h") in kinds and ("saved", "u") in kinds
+
+
+def test_policy_errors_name_the_fix():
+    with pytest.raises(PolicyError, match="both"):
+        P.save_and_offload_only_these_names(names_which_can_be_saved=["a"], names_which_can_be_offloaded=["a"])
+    with pytest.raises(PolicyError, match="device"):
+        P.offload_dot_with_no_batch_dims(offload_dst="nowhere")
+    with pytest.raises(PolicyError, match="fraction"):
+        P.memory_budget(1.5)
+    with pytest.raises(PolicyError, match="aten ops"):
+        remat(block, policy=["mm"])
+    with pytest.raises(PolicyError, match="policy must be"):
+        remat(block, policy=3)
+    bad = remat(block, policy=lambda ctx, op, *a, **k: "yes")
+    with pytest.raises(PolicyError, match="return value"):
+        grad(loss(bad))(X, W1, W2)
+    with pytest.raises(PolicyError, match="return value"):
+        loss(bad)(X.clone().requires_grad_(), W1, W2)
+
+
+def test_policies_are_hashable_frozen_dataclasses():
+    a, b = P.save_only_these_names("x", "y"), P.save_only_these_names("y", "x")
+    assert a == b and hash(a) == hash(b)
+    assert P.memory_budget(0.5) == P.memory_budget(0.5)
+    assert {P.offload_dot_with_no_batch_dims(), P.offload_dot_with_no_batch_dims()} == {P.offload_dot_with_no_batch_dims()}
+    assert remat_fn.checkpoint_policies is P
+
+
+def test_checkpoint_name_is_identity_on_pytrees():
+    tree = {"a": torch.ones(2), "b": [torch.zeros(1), 3]}
+    assert checkpoint_name(tree, "t") is tree
+    with pytest.raises(TypeError):
+        checkpoint_name(torch.ones(1), 3)
+
+
+def test_sac_policy_function_unchanged_from_torch():
+    """A torch SAC policy written for torch.utils.checkpoint works as is."""
+    ops_to_save = [torch.ops.aten.mm.default]
+
+    def policy_fn(ctx, op, *args, **kwargs):
+        if op in ops_to_save:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    assert _mm_count(remat(block, policy=policy_fn), eager=False) == _mm_count(block, eager=False)
