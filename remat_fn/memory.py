@@ -44,7 +44,7 @@ class _Counter:
         self.refs: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
 
-    def add(self, t: torch.Tensor) -> None:
+    def add(self, t: torch.Tensor, new: bool = True) -> None:
         try:
             st = t.untyped_storage()
             key = st.data_ptr()
@@ -55,6 +55,8 @@ class _Counter:
             return
         n = self.refs.get(key)
         if n is None:
+            if not new:
+                return  # a view of a storage made before the meter: not ours to count
             self.refs[key] = 1
             self.sizes[key] = nbytes
             self.live += nbytes
@@ -82,9 +84,10 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        new = not func.is_view
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self.counter.add(t)
+                self.counter.add(t, new)
         return out
 
 

@@ -115,3 +115,13 @@ def test_grad_of_grad_keeps_graph_and_is_exact(setup):
     x = x[:16].double()
     f = lambda blk: (lambda w0: grad(lambda w: model([(w, ws[0][1])] + ws[1:], x, blk).sum())(w0).pow(2).sum())
     torch.testing.assert_close(grad(f(remat(block)))(ws[0][0]), grad(f(block))(ws[0][0]))
+
+
+def test_meter_ignores_views_of_older_storages():
+    base = torch.randn(1000)
+    with LiveBytes() as m:
+        v = base[:10]
+        w = v.view(2, 5)
+        y = v * 2
+    assert m.live == y.untyped_storage().nbytes()
+    del v, w
