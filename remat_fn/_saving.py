@@ -212,6 +212,32 @@ class Record:
         self.stash = None  # (packed entries, unpack) when stored through outer hooks
 
     # -- forward -------------------------------------------------------------
+    def before_mutation(self, func, args, kwargs) -> None:
+        """A kept output about to be modified in place is replaced by a copy first,
+        so the recomputation replays the value the forward used."""
+        written = []
+        schema = func._schema
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = args[i] if i < len(args) else kwargs.get(a.name)
+                for t in optree.tree_leaves(v):
+                    if isinstance(t, torch.Tensor):
+                        written.append(t.untyped_storage().data_ptr())
+        if not written:
+            return
+        hit = set(written)
+
+        def fix(t):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in hit:
+                return t.clone()
+            return t
+
+        for e in self.entries.values():
+            if e.out is not None:
+                e.out = optree.tree_map(fix, e.out, none_is_leaf=True)
+            for i in list(e.parts):
+                e.parts[i] = fix(e.parts[i])
+
     def after_op(self, func, key, args, kwargs, out) -> None:
         leaves = out if type(out) in (tuple, list) else (out,)
         for i, t in enumerate(leaves):
@@ -385,6 +411,8 @@ class SaveMode(TorchDispatchMode):
         key = (func, n)
         if self.recompute:
             return self.rec.replay(func, key, args, kwargs)
+        if self.rec.entries and func._schema.is_mutable:
+            self.rec.before_mutation(func, args, kwargs)
         out = func(*args, **kwargs)
         self.rec.after_op(func, key, args, kwargs, out)
         return out
