@@ -63,12 +63,13 @@ def _user_function(fn: Any) -> bool:
     return not mod.startswith(_SKIP_MODULE_PREFIXES)
 
 
-def _code_names(code: types.CodeType) -> list[str]:
+@functools.lru_cache(maxsize=4096)
+def _code_names(code: types.CodeType) -> tuple[str, ...]:
     names = list(code.co_names)
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
             names.extend(_code_names(c))
-    return names
+    return tuple(dict.fromkeys(names))
 
 
 class Scan:
@@ -144,6 +145,7 @@ class Scan:
 
 
 _EMPTY = object()
+_ATOMS = frozenset({int, float, str, bool, bytes, complex, type(None), type(Ellipsis)})
 
 
 def _version(t: torch.Tensor) -> int:
@@ -177,7 +179,7 @@ def scan(fn: Any) -> Scan:
             else:
                 tensors.setdefault(id(obj), obj)
             return
-        if depth > _MAX_DEPTH or obj is None or isinstance(obj, (int, float, str, bool, type)):
+        if depth > _MAX_DEPTH or type(obj) in _ATOMS or isinstance(obj, type):
             return
         oid = id(obj)
         if oid in seen:

@@ -209,6 +209,7 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
     """Run ``fun`` so that its saved tensors are recomputed in backward."""
     frame = _Frame(fun, args, kwargs, name, debug)
     outer = _top_hooks(False)
+    in_versions = [(x, x._version) for x in optree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     snap = RNGSnapshot(devices) if preserve_rng_state else None
     if policy is not None:
         from ._saving import Record, SaveMode
@@ -231,17 +232,26 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
     finally:
         _pop_hooks()
     if frame.meta:
+        for x, v in in_versions:
+            if x._version != v:
+                from ._format import short_dtype
+
+                raise RematError(
+                    f"remat({name}) modified its input {short_dtype(x.dtype)}{list(x.shape)} in "
+                    "place; recomputing the region in backward would apply the change twice. "
+                    "Fix: work on a copy inside the function (x = x.clone()) or move the in-place "
+                    "update out of the rematerialised region."
+                )
         # Remember where the tensors the function reaches live, so that the
         # recomputation sees the same ones even if (as with
         # torch.func.functional_call) they are swapped back before backward.
+        others = [x for x in optree.tree_leaves((args, kwargs)) if not isinstance(x, torch.Tensor)]
+        frame.scan = scan((fun, others) if others else fun)
         if outer is not None:
-            others = [x for x in optree.tree_leaves((args, kwargs), none_is_leaf=True)
-                      if not isinstance(x, torch.Tensor)]
-            frame.scan = scan((fun, others))
             frame.stash_inputs(outer)
+            frame.scan.record_versions()
         else:
-            frame.scan = scan((fun, args, kwargs))
-        frame.scan.record_versions()
+            frame.scan.record_versions([x for x, _ in in_versions])
         if frame.rec is not None:
             frame.rec.producer = {}
             from ._residuals import residual_sink

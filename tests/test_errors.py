@@ -128,3 +128,13 @@ def test_error_in_backward_leaves_no_hooks():
     # a later plain checkpoint still works (hooks are usable)
     z = torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False)
     z.sum().backward()
+
+
+def test_region_mutating_its_input_is_refused():
+    def f(x, w):
+        x.mul_(2)
+        return (x * w).sin().sum()
+
+    w = torch.randn(3, requires_grad=True)
+    with pytest.raises(RematError, match="clone"):
+        remat(f)(torch.randn(3), w)
