@@ -35,7 +35,10 @@ they are alive anyway, so partitioning them would add communication and save
 nothing), views or aliases of leaves (``w.t()``), tensor subclasses
 (``nn.Parameter``, ``DTensor``: already sharded), sparse / nested tensors,
 tensors whose elements overlap in memory, empty tensors.  Pass
-``should_partition=`` to choose yourself.
+``should_partition=`` to choose yourself.  Values computed inside the region
+that a ``policy`` saves (e.g. the matmul outputs of ``dots_saveable``) are
+intermediates the region alone keeps alive: they are always partitioned,
+unless they share storage with an argument that is kept whole.
 
 Collectives.  ``unpack`` is a collective on ``group``: every rank must
 recompute the same regions, on tensors of the same shapes, in the same order.
@@ -82,6 +85,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import optree
 import torch
 
 from ._errors import RematError
@@ -320,13 +324,23 @@ class _Hooks:
     """The pack/unpack pair pushed around one call of a region."""
 
     __slots__ = ("group", "rank", "size", "outer", "should", "min_bytes", "check", "prefetch",
-                 "batch", "tail_key")
+                 "batch", "tail_key", "input_ids", "kept_ptrs")
 
     # the last batch packed on each group (forward order), for prefetching
     tails: dict[int, weakref.ref] = {}
 
-    def __init__(self, info, outer, should, min_bytes, check, prefetch):
+    def __init__(self, info, outer, should, min_bytes, check, prefetch, inputs, with_policy):
         self.group, self.rank, self.size = info
+        # ids and kept storages only: holding the inputs would keep them alive
+        self.input_ids = {id(x) for x in inputs}
+        self.kept_ptrs = set()
+        if with_policy:
+            for x in inputs:
+                if not default_should_partition(x):
+                    try:
+                        self.kept_ptrs.add(x.untyped_storage().data_ptr())
+                    except (RuntimeError, NotImplementedError):
+                        pass
         self.outer = outer
         self.should = should
         self.min_bytes = min_bytes
@@ -337,7 +351,15 @@ class _Hooks:
 
     def pack(self, t: torch.Tensor):
         outer = self.outer
-        if not (self.should(t) and t.numel() * t.element_size() >= self.min_bytes):
+        if self.should is not None:
+            part = self.should(t)
+        elif id(t) in self.input_ids:  # an argument of the region
+            part = default_should_partition(t)
+        else:  # a value computed inside the region that its policy saves
+            part = (type(t) is torch.Tensor and t.layout is torch.strided and t.numel() > 0
+                    and t.device.type != "meta" and not self._aliases_kept_input(t)
+                    and _non_overlapping(_collapse_broadcast(t)))
+        if not (part and t.numel() * t.element_size() >= self.min_bytes):
             _stats["kept"] += 1
             if outer is None:
                 return _Kept(t, None)
@@ -388,6 +410,13 @@ class _Hooks:
         p.batch = batch
         _stats["partitioned"] += 1
         return p
+
+    def _aliases_kept_input(self, t: torch.Tensor) -> bool:
+        """A saved value sharing storage with an argument that is kept whole (``w.t()``)."""
+        try:
+            return t.untyped_storage().data_ptr() in self.kept_ptrs
+        except (RuntimeError, NotImplementedError):
+            return True
 
     def unpack(self, h):
         if type(h) is _Kept:
@@ -460,8 +489,10 @@ def remat(
       tensor equals (integer checksum of its bits) the one this rank saved;
       raise :class:`~remat_fn.RematError` otherwise (on CUDA an asynchronous
       device assert, no host sync).  Default True.
-    - `should_partition`: ``tensor -> bool`` replacing
-      :func:`default_should_partition`.
+    - `should_partition`: ``tensor -> bool``, called for every tensor the
+      region stores (arguments and policy-saved values), replacing the
+      default rule (:func:`default_should_partition` for arguments; always
+      for policy-saved values that do not alias a kept argument).
 
     Every rank of ``group`` must call the same regions on tensors of the same
     shapes, in the same order (SPMD): the rebuild is a collective.
@@ -475,7 +506,7 @@ def remat(
         static_argnames=static_argnames, prevent_cse=prevent_cse,
         preserve_rng_state=preserve_rng_state, debug=debug, min_bytes=min_bytes,
         prefetch=bool(prefetch), check_replicated=bool(check_replicated),
-        should_partition=should_partition or default_should_partition,
+        should_partition=should_partition,
     )
     if fun is None:
         return functools.partial(_make, **opts)  # type: ignore[return-value]
@@ -487,6 +518,7 @@ checkpoint = remat
 
 def _make(fun, *, group, min_bytes, prefetch, check_replicated, should_partition, **remat_opts):
     inner = _plain_remat(fun, **remat_opts)  # validates the remat options
+    with_policy = remat_opts["policy"] is not None
 
     def wrapper(*args, **kwargs):
         if not _partitioning_possible():
@@ -494,8 +526,10 @@ def _make(fun, *, group, min_bytes, prefetch, check_replicated, should_partition
         info = _active_group(group)
         if info is None:
             return inner(*args, **kwargs)
+        inputs = [x for x in optree.tree_leaves((args, kwargs), none_is_leaf=True)
+                  if isinstance(x, torch.Tensor)]
         hooks = _Hooks(info, _top_hooks(False), should_partition, min_bytes,
-                       check_replicated, prefetch)
+                       check_replicated, prefetch, inputs, with_policy)
         _push_hooks(hooks.pack, hooks.unpack)
         try:
             return inner(*args, **kwargs)

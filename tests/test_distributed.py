@@ -377,7 +377,27 @@ def sc_fsdp2(rank, world, out):
     _equal(train(rd.remat, False, False), ref)
 
 
+def sc_policy(rank, world, out):
+    """Values a policy saves (dots_saveable: the matmul outputs) are partitioned too."""
+    ws, x = _params(), _data().requires_grad_()
+    ref = _grads(ws, x)
+    dots = remat_fn.policies.dots_saveable
+    rd._reset_stats()
+    _equal(_grads(ws, x, rd.remat(policy=dots)), ref)
+    # 8 block inputs + 8 saved matmul outputs partitioned; 8 weights kept whole
+    assert rd._stats["partitioned"] == 2 * NBLOCKS and rd._stats["kept"] == NBLOCKS, rd._stats
+    live = {}
+    for name, wrap in (("remat", remat_fn.remat(policy=dots)), ("distributed", rd.remat(policy=dots))):
+        with LiveBytes() as m:
+            y = _run(ws, x, wrap)
+            live[name] = m.live
+            y.sum().backward()
+            del y
+    assert live["distributed"] <= (0.5 + 0.5 / (2 * NBLOCKS + 1)) * live["remat"] + 256, live
+
+
 SCENARIOS = {f.__name__[3:]: f for f in (
+    sc_policy,
     sc_grads, sc_memory, sc_uneven, sc_backward_twice, sc_not_replicated, sc_torch_func,
     sc_nesting, sc_small_groups, sc_fold_in, sc_ddp, sc_fsdp2,
 )}
@@ -440,7 +460,7 @@ def _write_ref(out, rows, d, n, dtype):
 def test_two_ranks(tmp_path):
     _write_ref(tmp_path, ROWS, D, NBLOCKS, torch.float32)
     _spawn(2, ["grads", "memory", "uneven", "backward_twice", "not_replicated", "torch_func",
-               "nesting", "small_groups", "fold_in", "ddp", "fsdp2"], tmp_path)
+               "nesting", "small_groups", "fold_in", "ddp", "fsdp2", "policy"], tmp_path)
     for r in range(2):
         with open(tmp_path / f"memory{r}.json") as f:
             m = json.load(f)
