@@ -77,42 +77,58 @@ class Plan:
                 f"bytes; reference {self.reference_bytes})")
 
 
-def solve(items: list[tuple[Any, int, float]], capacity: float, resolution: int = 2048):
+def solve(items: list[tuple[Any, int, float]], capacity: float, resolution: int = 4096):
     """0-1 knapsack: pick items (key, bytes, cost) with sum(bytes) <= capacity, max sum(cost).
 
-    Bytes are rounded *up* to units of ``capacity / resolution``, so the
-    returned set never exceeds the capacity; the loss from rounding is at most
-    one unit per item.  Returns the chosen keys.
+    Integer byte counts are divided by their greatest common divisor; when the
+    table is then small enough (2e6 cells) the dynamic programme is exact.  Otherwise bytes are rounded *up* to units of ``capacity /
+    resolution`` (so the choice never exceeds the capacity) and the leftover
+    capacity is filled greedily by cost per byte.  Returns the chosen keys.
     """
+    free = [k for k, b, c in items if b <= 0]
     items = [it for it in items if it[1] > 0 and it[2] > 0]
-    free = [it[0] for it in items if it[1] <= 0]
     if capacity <= 0 or not items:
         return free
-    total = sum(b for _, b, _ in items)
-    if total <= capacity:
+    if sum(b for _, b, _ in items) <= capacity:
         return [k for k, _, _ in items] + free
-    unit = capacity / resolution
-    w = [max(1, math.ceil(b / unit - 1e-9)) for _, b, _ in items]
-    cap = resolution
+    g = 0
+    for _, b, _ in items:
+        g = math.gcd(g, int(b)) if float(b).is_integer() else 0
+        if g == 0:
+            break
+    work = 2_000_000  # DP cells: about a second of Python at most
+    if g and capacity / g * len(items) <= work:
+        w = [int(b) // g for _, b, _ in items]
+        cap = int(capacity // g)
+    else:
+        resolution = max(64, min(resolution, work // len(items)))
+        unit = capacity / resolution
+        w = [max(1, math.ceil(b / unit - 1e-9)) for _, b, _ in items]
+        cap = resolution
     best = [0.0] * (cap + 1)
-    take = [[False] * (cap + 1) for _ in items]
+    take = []
     for i, (_, _, c) in enumerate(items):
         wi = w[i]
-        if wi > cap:
-            continue
-        row = take[i]
-        for j in range(cap, wi - 1, -1):
-            v = best[j - wi] + c
-            if v > best[j]:
-                best[j] = v
-                row[j] = True
-    chosen = []
+        row = bytearray(cap + 1)
+        if wi <= cap:
+            for j in range(cap, wi - 1, -1):
+                v = best[j - wi] + c
+                if v > best[j]:
+                    best[j] = v
+                    row[j] = 1
+        take.append(row)
+    chosen: set[int] = set()
     j = max(range(cap + 1), key=lambda k: best[k])
     for i in range(len(items) - 1, -1, -1):
         if take[i][j]:
-            chosen.append(items[i][0])
+            chosen.add(i)
             j -= w[i]
-    return chosen + free
+    used = sum(items[i][1] for i in chosen)
+    for i in sorted(set(range(len(items))) - chosen, key=lambda i: -items[i][2] / items[i][1]):
+        if used + items[i][1] <= capacity:
+            chosen.add(i)
+            used += items[i][1]
+    return [items[i][0] for i in sorted(chosen)] + free
 
 
 class _Measure(TorchDispatchMode):
