@@ -146,13 +146,7 @@ class _RematFunction(torch.autograd.Function):
             if d
         )
 
-        def f(*diff_inputs):
-            full = list(tensors)
-            for i, t in zip(wrt, diff_inputs):
-                full[i] = t
-            outs = _checked(spec, spec.call(full, None)[0])
-            return tuple(o for o, d in zip(outs, out_diff) if d)
-
+        f = _recompute_fn(spec, tensors, wrt, out_diff)
         with torch.no_grad() if detach else contextlib.nullcontext(), spec.rng or contextlib.nullcontext():
             with spec.saving(True):
                 _, vjp_fn = torch.func.vjp(f, *[tensors[i] for i in wrt])
@@ -168,17 +162,24 @@ class _RematFunction(torch.autograd.Function):
         wrt = [i for i, (t, tt) in enumerate(zip(tensors, tangents)) if tt is not None and _is_diff(t)]
         out_diff = ctx.out_diff
 
-        def f(*diff_inputs):
-            full = list(tensors)
-            for i, t in zip(wrt, diff_inputs):
-                full[i] = t
-            outs = _checked(spec, spec.call(full, None)[0])
-            return tuple(o for o, d in zip(outs, out_diff) if d)
-
+        f = _recompute_fn(spec, tensors, wrt, out_diff)
         with spec.rng or contextlib.nullcontext(), spec.saving(True):
             _, touts = torch.func.jvp(f, tuple(tensors[i] for i in wrt), tuple(tangents[i] for i in wrt))
         it = iter(touts)
         return tuple(next(it) if d else None for d in out_diff)
+
+
+def _recompute_fn(spec: _Spec, tensors, wrt, out_diff):
+    """The region as a function of its differentiated inputs, returning its differentiable outputs."""
+
+    def f(*diff_inputs):
+        full = list(tensors)
+        for i, t in zip(wrt, diff_inputs):
+            full[i] = t
+        outs = _checked(spec, spec.call(full, None)[0])
+        return tuple(o for o, d in zip(outs, out_diff) if d)
+
+    return f
 
 
 def _saved(ctx, spec: _Spec):
