@@ -199,7 +199,10 @@ def _desc(shape, dtype, device) -> str:
 def _replaying(rec):
     if rec is None:
         return contextlib.nullcontext()
-    from ._saving import SaveMode
+    from ._saving import SaveMode, forward_mode_active
+
+    if forward_mode_active():
+        return contextlib.nullcontext()
 
     return SaveMode(rec, recompute=True)
 
@@ -212,8 +215,11 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
     in_versions = [(x, x._version) for x in optree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     snap = RNGSnapshot(devices) if preserve_rng_state else None
     if policy is not None:
-        from ._saving import Record, SaveMode
+        from ._saving import Record, SaveMode, forward_mode_active
 
+        if forward_mode_active():
+            policy = None
+    if policy is not None:
         frame.rec = Record(policy)
         saving = SaveMode(frame.rec, recompute=False)
     else:

@@ -58,7 +58,10 @@ class _Spec:
     def saving(self, recompute: bool):
         if self.rec is None:
             return contextlib.nullcontext()
-        from ._saving import SaveMode
+        from ._saving import SaveMode, forward_mode_active
+
+        if recompute and forward_mode_active():
+            return contextlib.nullcontext()  # full recompute (see forward_mode_active)
 
         return SaveMode(self.rec, recompute)
 
@@ -163,7 +166,7 @@ class _RematFunction(torch.autograd.Function):
         out_diff = ctx.out_diff
 
         f = _recompute_fn(spec, tensors, wrt, out_diff)
-        with spec.rng or contextlib.nullcontext(), spec.saving(True):
+        with spec.rng or contextlib.nullcontext():  # forward mode: recompute everything
             _, touts = torch.func.jvp(f, tuple(tensors[i] for i in wrt), tuple(tangents[i] for i in wrt))
         it = iter(touts)
         return tuple(next(it) if d else None for d in out_diff)

@@ -111,6 +111,23 @@ def normalize_policy(policy):
     )
 
 
+def forward_mode_active() -> bool:
+    """True when forward-mode AD (a functorch jvp level or an eager dual level) is on.
+
+    Forward-mode tangent computations run as extra aten ops below the AD layer,
+    interleaved with the region's own ops, so op-position caching cannot be
+    replayed reliably there; such recomputations simply recompute everything.
+    """
+    from torch.autograd import forward_ad
+
+    if getattr(forward_ad, "_current_level", -1) >= 0:
+        return True
+    for i in _F.get_interpreter_stack() or ():
+        if i.key() == _F.TransformType.Jvp:
+            return True
+    return False
+
+
 def _base(t: torch.Tensor) -> torch.Tensor:
     while _F.is_functorch_wrapped_tensor(t):
         t = _F.get_unwrapped(t)

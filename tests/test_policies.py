@@ -196,3 +196,20 @@ def test_in_place_update_of_a_saved_output_replays_the_forward_value():
     got = torch.autograd.grad(remat(f, policy=P.dots_saveable)(x, w), w)
     assert_tree_close(got, ref, exact=True)
     assert_tree_close(grad(remat(f, policy=P.dots_saveable), argnums=1)(X, W1), grad(f, argnums=1)(X, W1), exact=True)
+
+
+@pytest.mark.parametrize("name", ["dots", "only_h", "offload_dots", "budget_0.3"])
+def test_policy_higher_order(name):
+    rblk = remat(block, policy=ALL_POLICIES[name])
+    # eager double backward
+    xs, a, b = (t.clone().requires_grad_() for t in (X, W1, W2))
+    (ga,) = torch.autograd.grad(loss(rblk)(xs, a, b), a, create_graph=True)
+    gg = torch.autograd.grad(ga.pow(2).sum(), (xs, a, b))
+    xs2, a2, b2 = (t.clone().requires_grad_() for t in (X, W1, W2))
+    (ga2,) = torch.autograd.grad(loss(block)(xs2, a2, b2), a2, create_graph=True)
+    gg2 = torch.autograd.grad(ga2.pow(2).sum(), (xs2, a2, b2))
+    assert_tree_close(gg, gg2, rtol=1e-10, atol=1e-12)
+    # torch.func hessian w.r.t. the weight
+    h1 = torch.func.hessian(loss(rblk), argnums=1)(X, W1, W2)
+    h2 = torch.func.hessian(loss(block), argnums=1)(X, W1, W2)
+    assert_tree_close(h1, h2, rtol=1e-10, atol=1e-12)

@@ -110,8 +110,51 @@ def test_random_programs_grad_eager_vjp(data, program, shape):
 COMPOSE = st.lists(st.sampled_from(["grad", "vmap", "jacrev", "jacfwd"]), min_size=1, max_size=3)
 
 
-@given(program=programs(), comp=COMPOSE, nest=st.booleans(), seed=st.integers(0, 1000))
-def test_random_compositions(program, comp, nest, seed):
+@given(data=st.data(), program=programs(), pol=st.sampled_from([None, "everything", "save_unary", "budget"]))
+def test_random_programs_with_policies_eager(data, program, pol):
+    tree = data.draw(input_trees(program[0], (3,)))
+    w0 = torch.randn(3, dtype=torch.float64)
+    res = []
+    for use in (True, False):
+        leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+        xs = [x.clone().requires_grad_() for x in leaves]
+        w = w0.clone().requires_grad_()
+        fn = build(program, w)
+        f = remat(fn, policy=_policy(pol)) if use else fn
+        out = scalar(f)(optree.tree_unflatten(spec, xs))
+        gs = torch.autograd.grad(out, xs + [w], create_graph=True, allow_unused=True)
+        second = [g for g in gs if g is not None and g.requires_grad]
+        gg = torch.autograd.grad(sum(g.pow(2).sum() for g in second), xs + [w], allow_unused=True) if second else ()
+        res.append((gs, gg))
+    assert_tree_close(res[0], res[1], rtol=1e-10, atol=1e-12)
+
+
+POLICIES = st.sampled_from([
+    None,
+    "everything",
+    "save_unary",  # a torch SAC-style callable
+    "budget",
+])
+
+
+def _policy(name):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from remat_fn import policies as P
+
+    if name == "everything":
+        return P.everything_saveable
+    if name == "save_unary":
+        return lambda ctx, op, *a, **k: (CheckpointPolicy.MUST_SAVE if getattr(op, "overloadpacket", None)
+                                         in (torch.ops.aten.sin, torch.ops.aten.tanh, torch.ops.aten.exp)
+                                         else CheckpointPolicy.PREFER_RECOMPUTE)
+    if name == "budget":
+        return P.memory_budget(0.5)
+    return None
+
+
+@given(program=programs(), comp=COMPOSE, nest=st.booleans(), seed=st.integers(0, 1000), pol=POLICIES)
+def test_random_compositions(program, comp, nest, seed, pol):
     """Compose transforms around a scalar function of one vector input."""
     g = torch.Generator().manual_seed(seed)
     n_in = program[0]
@@ -119,7 +162,7 @@ def test_random_compositions(program, comp, nest, seed):
     fn = build(program, w)
 
     def mk(use):
-        f = remat(fn) if use else fn
+        f = remat(fn, policy=_policy(pol)) if use else fn
         if use and nest:
             f = remat(f)
         base = lambda x: scalar(f)(tuple(x * (i + 1) for i in range(n_in)))
