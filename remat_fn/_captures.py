@@ -145,6 +145,12 @@ class Scan:
 
 
 _EMPTY = object()
+
+
+def _managed(t: torch.Tensor) -> bool:
+    """DTensors (FSDP2, tensor parallel) are swapped by their owners around every
+    call, recompute included; putting a forward-time one back would be wrong."""
+    return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
 _ATOMS = frozenset({int, float, str, bool, bytes, complex, type(None), type(Ellipsis)})
 
 
@@ -167,6 +173,8 @@ def scan(fn: Any) -> Scan:
     labels = res.labels
 
     def put(container: Any, key: Any, t: torch.Tensor, label: Any = None) -> None:
+        if _managed(t):
+            return
         tensors.setdefault(id(t), t)
         places.append((container, key, t))
         if label is not None or key is not None:
@@ -176,7 +184,7 @@ def scan(fn: Any) -> Scan:
         if isinstance(obj, torch.Tensor):
             if container is not None:
                 put(container, key, obj, label)
-            else:
+            elif not _managed(obj):
                 tensors.setdefault(id(obj), obj)
             return
         if depth > _MAX_DEPTH or type(obj) in _ATOMS or isinstance(obj, type):

@@ -73,7 +73,7 @@ class _Frame:
     def stash_inputs(self, hooks) -> None:
         pack, unpack = hooks
         leaves, spec = optree.tree_flatten((self.args, self.kwargs), none_is_leaf=True)
-        packed = [(True, pack(x)) if isinstance(x, torch.Tensor) else (False, x) for x in leaves]
+        packed = [(x.requires_grad, pack(x)) if isinstance(x, torch.Tensor) else (None, x) for x in leaves]
         self.stash = (packed, spec, unpack)
         self.args = self.kwargs = None
 
@@ -81,7 +81,13 @@ class _Frame:
         if self.stash is None:
             return self.args, self.kwargs
         packed, spec, unpack = self.stash
-        leaves = [unpack(v) if is_t else v for is_t, v in packed]
+        leaves = []
+        for rg, v in packed:
+            if rg is not None:
+                v = unpack(v)
+                if rg and not v.requires_grad:  # a hook that stored a plain copy
+                    v = v.detach().requires_grad_(True)
+            leaves.append(v)
         return optree.tree_unflatten(spec, leaves)
 
     # -- forward -------------------------------------------------------------
@@ -129,7 +135,13 @@ class _Frame:
                         id(x) for x in optree.tree_leaves((args, kwargs))
                         if isinstance(x, torch.Tensor)
                     }
-                if t.requires_grad or id(t) in arg_ids:
+                if id(t) in arg_ids:
+                    # stored through enclosing hooks, an input comes back as a new
+                    # tensor; those hooks (or the enclosing region) check it.
+                    mutated = self.stash is None
+                else:
+                    mutated = t.requires_grad
+                if mutated:
                     raise MutatedSavedTensorError(
                         f"A tensor {_desc(shape, dtype, device)} needed to recompute "
                         f"remat({self.name}) was modified in place after the forward (its version "

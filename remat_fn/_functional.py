@@ -40,7 +40,7 @@ _GRAD_KEYS = (_F.TransformType.Grad,)
 class _Spec:
     """Everything the Function needs that is not a tensor input."""
 
-    __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "scan", "fwd_hits", "rec")
+    __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "scan", "fwd_hits", "rec", "needs")
 
     def __init__(self, run, n_in, captured, name, debug, scan):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -54,6 +54,7 @@ class _Spec:
         self.scan = scan
         self.fwd_hits: set[int] = set()
         self.rec = None  # remat_fn._saving.Record when a policy is in force
+        self.needs: list[bool] = []  # which tensor inputs need a gradient
 
     def saving(self, recompute: bool):
         if self.rec is None:
@@ -110,8 +111,29 @@ class _RematFunction(torch.autograd.Function):
     @staticmethod
     def forward(spec: _Spec, *tensors: torch.Tensor):
         known = {id(t) for t in tensors}
-        with spec.saving(False):
-            outs, rebuild = spec.call(tensors, known)
+        wrt = [i for i, n in enumerate(spec.needs) if n] if spec.rec is not None else []
+        if wrt:
+            # With a policy, run the forward the way backward will recompute it
+            # (under a vjp level), so that ops whose decomposition depends on
+            # requires_grad (matmul folding, linear on 3-D inputs, ...) appear in
+            # the same order and the kept outputs can be replayed.
+            box = []
+
+            def f(*diff):
+                known.update(id(t) for t in diff)
+                full = list(tensors)
+                for i, t in zip(wrt, diff):
+                    full[i] = t
+                o, rb = spec.call(full, known)
+                box.append(rb)
+                return o
+
+            with spec.saving(False):
+                outs, _ = torch.func.vjp(f, *[tensors[i] for i in wrt])
+            rebuild = box[-1]
+        else:
+            with spec.saving(False):
+                outs, rebuild = spec.call(tensors, known)
         if spec.rec is not None:
             spec.rec.producer = {}
         inputs = set(id(t) for t in tensors)
@@ -276,9 +298,11 @@ def functional_call(
     for _ in range(10_000):
         spec = _Spec(spec_run, len(inputs), captured, name, debug, scan)
         if policy is not None:
+            from ._captures import needs_grad
             from ._saving import Record
 
             spec.rec = Record(policy)
+            spec.needs = [needs_grad(t) and _is_diff(t) for t in (*inputs, *captured)]
         try:
             outs = _RematFunction.apply(spec, *inputs, *captured)
         except MissedCapture as e:

@@ -174,7 +174,9 @@ class Offloader:
                 ev = torch.cuda.Event()
                 ev.record(stream)
             return [buf, t.device, ev, None]
-        return [t.to(dst, copy=True), t.device, None, None]
+        # ops called inside a dispatch mode may come back wrapped by an active
+        # functorch level: keep the plain tensor underneath
+        return [_base(t.to(dst, copy=True)), t.device, None, None]
 
     def prefetch(self, h) -> None:
         buf, device, ev, back = h
@@ -200,7 +202,7 @@ class Offloader:
             back.record_stream(torch.cuda.current_stream(device))
             h[3] = None  # the next backward fetches again
             return back
-        return buf.to(device, copy=True)
+        return _base(buf.to(device, copy=True))
 
 
 class _Entry:
@@ -226,6 +228,7 @@ class Record:
         self.producer: dict[int, tuple] = {}
         self.offloader = offloader or Offloader()
         self.ctx = PolicyContext()
+        self.seq: list = []  # every op of the forward, in order
         self.stash = None  # (packed entries, unpack) when stored through outer hooks
 
     # -- forward -------------------------------------------------------------
@@ -246,7 +249,7 @@ class Record:
 
         def fix(t):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in hit:
-                return t.clone()
+                return _base(t.clone())
             return t
 
         for e in self.entries.values():
@@ -373,15 +376,15 @@ class Record:
                 "same ops each time: make control flow depend only on its arguments."
             )
         if e.out is not None:
-            return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x,
+            return optree.tree_map(lambda x: _base(x.detach()) if isinstance(x, torch.Tensor) else x,
                                    e.out, none_is_leaf=True)
         if _single_output(func) and (0 in e.parts or 0 in e.offloaded):
-            return e.parts[0].detach() if 0 in e.parts else self.offloader.fetch(e.offloaded[0])
+            return _base(e.parts[0].detach()) if 0 in e.parts else self.offloader.fetch(e.offloaded[0])
         out = func(*args, **kwargs)
         multi = type(out) in (tuple, list)
         leaves = list(out) if multi else [out]
         for i, t in e.parts.items():
-            leaves[i] = t.detach()
+            leaves[i] = _base(t.detach())
         for i, h in e.offloaded.items():
             leaves[i] = self.offloader.fetch(h)
         return type(out)(leaves) if multi else leaves[0]
@@ -400,6 +403,8 @@ class SaveMode(TorchDispatchMode):
         self.rec = rec
         self.recompute = recompute
         self.counts: dict[Any, int] = {}
+        self.pos = 0
+        self.diverged = False
 
     def __enter__(self):
         stack = getattr(_local, "stack", None)
@@ -427,7 +432,18 @@ class SaveMode(TorchDispatchMode):
         self.counts[func] = n + 1
         key = (func, n)
         if self.recompute:
+            # Replay kept outputs only while the recomputation runs exactly the
+            # forward's op sequence; from the first difference on (an op whose
+            # decomposition depends on grad mode, say) everything is recomputed,
+            # which is always correct.
+            seq = self.rec.seq
+            if not self.diverged and (self.pos >= len(seq) or seq[self.pos] is not func):
+                self.diverged = True
+            self.pos += 1
+            if self.diverged:
+                return func(*args, **kwargs)
             return self.rec.replay(func, key, args, kwargs)
+        self.rec.seq.append(func)
         if self.rec.entries and func._schema.is_mutable:
             self.rec.before_mutation(func, args, kwargs)
         out = func(*args, **kwargs)
