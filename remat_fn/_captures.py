@@ -97,11 +97,11 @@ class Scan:
 
     def check_versions(self, name: str) -> None:
         """Raise if a reachable tensor was modified in place since :meth:`record_versions`."""
-        from ._errors import MutatedSavedTensorError
-
         for t, v in self.versions:
             now = _version(t)
             if now != v:
+                from ._errors import MutatedSavedTensorError
+
                 raise MutatedSavedTensorError(
                     f"The tensor {describe(t)} that remat({name}) uses (an argument or a tensor "
                     f"it closes over) was modified in place after the forward (version {v} -> "
@@ -114,8 +114,12 @@ class Scan:
         """The reachable tensors that need a gradient and are not in ``exclude``."""
         return [t for i, t in self.tensors.items() if i not in exclude and needs_grad(t)]
 
-    @contextlib.contextmanager
     def relocated(self):
+        """Context manager putting every tensor back where it was found."""
+        return self._relocated() if self.places else _NULL
+
+    @contextlib.contextmanager
+    def _relocated(self):
         undo = []
         try:
             for container, key, t in self.places:
@@ -155,6 +159,8 @@ _ATOMS = frozenset({int, float, str, bool, bytes, complex, type(None), type(Elli
 
 
 def _version(t: torch.Tensor) -> int:
+    if not _F.is_functorch_wrapped_tensor(t):
+        return t._version
     while _F.is_functorch_wrapped_tensor(t):
         t = _F.get_unwrapped(t)
     try:
@@ -163,9 +169,30 @@ def _version(t: torch.Tensor) -> int:
         return 0
 
 
+_NULL = contextlib.nullcontext()
+
+
+def _nothing_reachable(fn: Any) -> bool:
+    """Fast path: a user function with no closure or defaults whose referenced
+    globals are all absent, modules, classes or library functions."""
+    if type(fn) is not types.FunctionType or fn.__closure__ or fn.__defaults__ or fn.__kwdefaults__:
+        return False
+    g = fn.__globals__
+    for name in _code_names(fn.__code__):
+        v = g.get(name)
+        if v is None or isinstance(v, (types.ModuleType, type, types.BuiltinFunctionType)):
+            continue
+        if isinstance(v, types.FunctionType) and not _user_function(v):
+            continue
+        return False
+    return True
+
+
 def scan(fn: Any) -> Scan:
     """Find the tensors reachable from ``fn`` and where they live."""
     res = Scan()
+    if _nothing_reachable(fn):
+        return res
     tensors = res.tensors
     places = res.places
     seen: set[int] = set()

@@ -224,7 +224,8 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
     """Run ``fun`` so that its saved tensors are recomputed in backward."""
     frame = _Frame(fun, args, kwargs, name, debug)
     outer = _top_hooks(False)
-    in_versions = [(x, x._version) for x in optree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    leaves = optree.tree_leaves((args, kwargs)) if kwargs else optree.tree_leaves(args)
+    in_versions = [(x, x._version) for x in leaves if isinstance(x, torch.Tensor)]
     snap = RNGSnapshot(devices) if preserve_rng_state else None
     if policy is not None:
         from ._saving import Record, SaveMode, forward_mode_active
@@ -263,7 +264,7 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
         # Remember where the tensors the function reaches live, so that the
         # recomputation sees the same ones even if (as with
         # torch.func.functional_call) they are swapped back before backward.
-        others = [x for x in optree.tree_leaves((args, kwargs)) if not isinstance(x, torch.Tensor)]
+        others = [x for x in leaves if not isinstance(x, torch.Tensor)]
         frame.scan = scan((fun, others) if others else fun)
         if outer is not None:
             frame.stash_inputs(outer)
