@@ -134,6 +134,13 @@ def _base(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _kept(out):
+    """What to keep of an op's output: its values without autograd history (under a
+    functorch grad level the values below the wrapper carry the level's graph)."""
+    return optree.tree_map(lambda t: _base(t.detach()) if isinstance(t, torch.Tensor) else t, out,
+                           none_is_leaf=True)
+
+
 def _meta(args) -> tuple:
     return tuple(
         (tuple(a.shape), a.dtype) for a in optree.tree_leaves(args) if isinstance(a, torch.Tensor)
@@ -273,7 +280,7 @@ class Record:
         d = decide(self.policy, ctx, func, args, kwargs)
         if d == "save":
             e = self.entries.setdefault(key, _Entry(_meta(args)))
-            e.out = out
+            e.out = _kept(out)
         elif isinstance(d, Offload):
             self._offload(key, args, leaves, range(len(leaves)), d)
 
@@ -305,7 +312,7 @@ class Record:
         if d == "save":
             e = self.entries.setdefault(key, _Entry(None))
             if e.out is None:
-                e.parts[i] = base
+                e.parts[i] = _kept(base)
             e.name = name
         elif isinstance(d, Offload):
             leaves = [None] * n

@@ -267,14 +267,16 @@ def _functorch_call(fun, name, args, kwargs, argnums, argnames, preserve_rng_sta
         out = fun(*a, **kw)
         oleaves, odef = optree.tree_flatten(out, none_is_leaf=True)
         opos = [i for i, x in enumerate(oleaves) if isinstance(x, torch.Tensor)]
+        outs = tuple(oleaves[i] for i in opos)
+        template = [None if isinstance(x, torch.Tensor) else x for x in oleaves]  # no tensor refs
 
         def rebuild(out_tensors):
-            ol = list(oleaves)
+            ol = list(template)
             for i, t in zip(opos, out_tensors):
                 ol[i] = t
             return optree.tree_unflatten(odef, ol)
 
-        return tuple(oleaves[i] for i in opos), rebuild
+        return outs, rebuild
 
     devices = devices_of(inputs) if (preserve_rng_state and _has_accelerator()) else []
     others = [x for x in leaves if not isinstance(x, torch.Tensor)]
