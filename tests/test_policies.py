@@ -235,3 +235,30 @@ def test_dots_saveable_replays_linear_on_3d_inputs_under_grad():
     n_none, _ = count(remat(blk))
     assert n_dots == n_plain and n_none == n_plain + 2
     assert_tree_close(g_dots, g_plain, exact=True)
+
+
+def test_grad_peak_with_name_policy_adds_only_the_saved_values():
+    """Under torch.func.grad a policy keeps its saved values and nothing more."""
+    from remat_fn.memory import LiveBytes
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 64, generator=g)
+    w1, w2 = torch.randn(64, 64, generator=g) / 8, torch.randn(64, 64, generator=g) / 8
+
+    def peak(pol):
+        rb = remat(block, policy=pol)
+
+        def loss(w1, w2):
+            h = x
+            for _ in range(6):
+                h = rb(h, w1, w2)
+            return h.sum()
+
+        grad(loss)(w1, w2)
+        with LiveBytes() as m:
+            grad(loss)(w1, w2)
+        return m.peak
+
+    base = peak(None)
+    h_bytes = x.numel() * 4
+    assert peak(P.save_only_these_names("h")) <= base + 6 * h_bytes * 1.05
