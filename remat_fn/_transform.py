@@ -280,7 +280,7 @@ def _functorch_call(fun, name, args, kwargs, argnums, argnames, preserve_rng_sta
 
     devices = devices_of(inputs) if (preserve_rng_state and _has_accelerator()) else []
     others = [x for x in leaves if not isinstance(x, torch.Tensor)]
-    roots = (fun, others, static_args, static_kwargs)
+    roots = (fun, others, static_args, static_kwargs) if (others or static_args or static_kwargs) else fun
     outs, rebuild = functional_call(
         run, inputs, {id(t) for t in inputs}, roots, name, preserve_rng_state, debug, devices, pol
     )
