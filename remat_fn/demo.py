@@ -1,0 +1,569 @@
+"""Demo: train a small GPT with ``remat`` + ``torch.func``, then compare memory and time.
+
+``python -m remat_fn.demo`` trains a GPT-style model (pre-LN causal
+transformer, written out with plain matmuls) on a synthetic task generated in
+code: reverse a random string of digits (``3 1 4 1 | 1 4 1 3``).  The
+training loop is functional: ``torch.func.functional_call`` +
+``torch.func.grad_and_value`` over a parameter dict, ``remat`` on every block,
+dropout drawn from explicit :mod:`remat_fn.random` keys (``split`` once per
+step, ``fold_in`` once per layer) and a hand-written AdamW update.
+
+It then measures one training step of the same model and batch with no
+rematerialisation, with ``torch.utils.checkpoint`` and with ``remat`` under
+each policy that :mod:`remat_fn.policies` provides, both under
+``torch.func.grad_and_value`` and in an eager ``loss.backward()`` loop
+(``torch.utils.checkpoint`` fails under ``torch.func``: the table says so),
+prints a table of activation memory (``LiveBytes`` peak and after-forward)
+against step time, and writes a plot of memory against time to ``--out``.
+
+tqdm and matplotlib (the ``demo`` extra) are optional: without tqdm progress
+is printed as lines, without matplotlib the plot is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad_and_value
+
+import remat_fn
+from remat_fn import random as rnd
+from remat_fn.memory import LiveBytes, MiB
+
+__all__ = ["Config", "SIZES", "GPT", "make_batch", "variants", "main"]
+
+# ---------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """Model and task size."""
+
+    d_model: int = 64
+    layers: int = 2
+    heads: int = 4
+    digits: int = 8  # length of the string to reverse
+    batch: int = 64
+    dropout: float = 0.1
+    lr: float = 3e-3
+    vocab: int = 11  # digits 0-9 and the separator
+
+    @property
+    def seq_len(self) -> int:  # digits, separator, reversed digits minus the last
+        return 2 * self.digits
+
+
+SIZES: dict[str, Config] = {
+    "tiny": Config(),
+    "small": Config(d_model=128, layers=4, heads=4, digits=12, batch=64, lr=2e-3),
+}
+SEP = 10
+
+# ---------------------------------------------------------------------------
+# The synthetic task
+# ---------------------------------------------------------------------------
+
+
+def make_batch(key: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch of the reversal task drawn from ``key``.
+
+    **Returns:** ``(inputs, targets, mask)``: ``inputs`` and ``targets`` are
+    ``(batch, 2 * digits)`` token ids (``targets`` shifted by one), ``mask``
+    selects the positions whose target is a digit of the reversed string.
+    """
+    digits = rnd.randint(key, (cfg.batch, cfg.digits), 0, 10)
+    sep = torch.full((cfg.batch, 1), SEP, dtype=torch.int64)
+    seq = torch.cat([digits, sep, digits.flip(1)], dim=1)
+    inputs, targets = seq[:, :-1], seq[:, 1:]
+    mask = torch.zeros_like(targets, dtype=torch.bool)
+    mask[:, cfg.digits:] = True
+    return inputs, targets, mask
+
+
+# ---------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------
+
+
+def _name(x: torch.Tensor, name: str) -> torch.Tensor:
+    """``checkpoint_name`` if this version of remat_fn has it, else the identity."""
+    fn = getattr(remat_fn, "checkpoint_name", None) or getattr(remat_fn.policies, "checkpoint_name", None)
+    return fn(x, name) if fn is not None else x
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: causal self-attention and a GELU MLP."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        d = cfg.d_model
+        self.heads = cfg.heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.drop = rnd.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        k_att, k_res1, k_res2 = rnd.split(key, 3)
+        B, T, C = x.shape
+        H = self.heads
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=-1)
+        q, k, v = (t.reshape(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // H))
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        att = self.drop(att, k_att)
+        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        x = x + self.drop(_name(self.proj(y), "attn_out"), k_res1)
+        h = _name(F.gelu(self.fc(self.ln2(x))), "mlp_hidden")
+        return x + self.drop(self.out(h), k_res2)
+
+
+class GPT(nn.Module):
+    """A small GPT.  ``set_variant`` chooses how each block is checkpointed."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab)
+        self._calls: list[Callable] = list(self.blocks)
+
+    def set_variant(self, kind: str, policy: Any = None) -> "GPT":
+        """``kind``: ``"none"`` (plain), ``"torch"`` (``torch.utils.checkpoint``) or
+        ``"remat"`` (``remat_fn.remat(block, policy=policy)``)."""
+        if kind == "none":
+            self._calls = list(self.blocks)
+        elif kind == "torch":
+            from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+            def wrap(b):
+                return lambda h, k: torch_checkpoint(b, h, k, use_reentrant=False)
+
+            self._calls = [wrap(b) for b in self.blocks]
+        elif kind == "torch_sac":
+            import functools
+
+            from torch.utils.checkpoint import checkpoint as torch_checkpoint
+            from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+            ctx = functools.partial(create_selective_checkpoint_contexts, policy)
+
+            def wrap(b):
+                return lambda h, k: torch_checkpoint(b, h, k, use_reentrant=False, context_fn=ctx)
+
+            self._calls = [wrap(b) for b in self.blocks]
+        elif kind == "remat":
+            self._calls = [remat_fn.remat(b, policy=policy) for b in self.blocks]
+        else:
+            raise ValueError(f"unknown variant kind {kind!r}")
+        return self
+
+    def forward(self, idx: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        h = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
+        for i, call in enumerate(self._calls):
+            h = call(h, rnd.fold_in(key, i))  # one independent dropout stream per layer
+        return self.head(self.ln_f(h))
+
+
+def masked_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[mask], targets[mask])
+
+
+# ---------------------------------------------------------------------------
+# Functional training
+# ---------------------------------------------------------------------------
+
+
+def adamw(params, grads, state, step, *, lr, betas=(0.9, 0.98), eps=1e-8, wd=0.01):
+    """One AdamW update on a dict of tensors (returns new dicts; nothing in place)."""
+    b1, b2 = betas
+    new_p, new_s = {}, {}
+    for k, p in params.items():
+        g = grads[k]
+        m, v = state.get(k, (torch.zeros_like(p), torch.zeros_like(p)))
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        mhat, vhat = m / (1 - b1 ** step), v / (1 - b2 ** step)
+        decay = wd if p.ndim >= 2 else 0.0
+        new_p[k] = p - lr * (mhat / (vhat.sqrt() + eps) + decay * p)
+        new_s[k] = (m, v)
+    return new_p, new_s
+
+
+def make_loss_fn(model: GPT):
+    def loss_fn(params, inputs, targets, mask, key):
+        logits = functional_call(model, params, (inputs, key))
+        return masked_loss(logits, targets, mask)
+
+    return loss_fn
+
+
+@torch.no_grad()
+def accuracy(model: GPT, params, cfg: Config, key) -> float:
+    """Exact-match accuracy of greedy decoding of the reversed string (dropout off)."""
+    inputs, targets, _ = make_batch(key, cfg)
+    model.eval()
+    try:
+        seq = inputs[:, : cfg.digits + 1]
+        for _ in range(cfg.digits):
+            logits = functional_call(model, params, (seq, rnd.key(0)))
+            seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    finally:
+        model.train()
+    return (seq[:, cfg.digits + 1:] == targets[:, cfg.digits:]).all(1).float().mean().item()
+
+
+def _progress(total: int, desc: str):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, file=sys.stdout, dynamic_ncols=True, mininterval=0.5)
+
+
+def train(model: GPT, cfg: Config, steps: int, seed: int, log: Callable[[str], None] = print):
+    """Train with remat on every block; returns (params, list of losses, seconds)."""
+    torch.manual_seed(seed)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state: dict = {}
+    model.set_variant("remat")
+    step_fn = grad_and_value(make_loss_fn(model))
+    key = rnd.key(seed)
+    losses = []
+    bar = _progress(steps, "training (remat + torch.func)")
+    every = max(1, steps // 10)
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        key, k_data, k_drop = rnd.split(key, 3)
+        inputs, targets, mask = make_batch(k_data, cfg)
+        grads, loss = step_fn(params, inputs, targets, mask, k_drop)
+        warm = min(1.0, step / 20)
+        params, state = adamw(params, grads, state, step, lr=cfg.lr * warm)
+        losses.append(loss.item())
+        if bar is not None:
+            bar.update(1)
+            if step % 5 == 0 or step == steps:
+                bar.set_postfix(loss=f"{statistics.fmean(losses[-10:]):.3f}")
+        elif step % every == 0 or step == steps or step == 1:
+            log(f"  step {step:5d}/{steps}  loss {statistics.fmean(losses[-10:]):.3f}"
+                f"  ({time.perf_counter() - t0:.1f} s)")
+    if bar is not None:
+        bar.close()
+    return params, losses, time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------
+# Variants and measurements
+# ---------------------------------------------------------------------------
+
+# (label, policy name in remat_fn.policies, factory arguments or None for a plain policy)
+POLICY_ROWS: list[tuple[str, str, tuple | None]] = [
+    ("remat everything_saveable", "everything_saveable", None),
+    ("remat dots_saveable", "dots_saveable", None),
+    ("remat dots_with_no_batch_dims_saveable", "dots_with_no_batch_dims_saveable", None),
+    ("remat save_only_these_names('attn_out')", "save_only_these_names", ("attn_out",)),
+    ("remat save_anything_except_these_names('mlp_hidden')", "save_anything_except_these_names", ("mlp_hidden",)),
+    ("remat memory_budget(0.5)", "memory_budget", (0.5,)),
+    ("remat memory_budget(0.2)", "memory_budget", (0.2,)),
+]
+_NEEDS_NAMES = ("save_only_these_names", "save_anything_except_these_names", "save_any_names_but_these")
+
+
+def _has_checkpoint_name() -> bool:
+    return getattr(remat_fn, "checkpoint_name", None) is not None or \
+        getattr(remat_fn.policies, "checkpoint_name", None) is not None
+
+
+def variants(rows=POLICY_ROWS) -> list[tuple[str, str, Any]]:
+    """``(label, kind, policy)`` for the baselines and every policy present at run time."""
+    out: list[tuple[str, str, Any]] = [
+        ("no remat", "none", None),
+        ("torch.utils.checkpoint", "torch", None),
+        ("remat nothing_saveable (default)", "remat", None),
+    ]
+    for label, name, args in rows:
+        obj = getattr(remat_fn.policies, name, None)
+        if obj is None or (name in _NEEDS_NAMES and not _has_checkpoint_name()):
+            continue
+        try:
+            pol = obj(*args) if args is not None else obj
+        except Exception:  # a factory with a different signature: leave the row out
+            continue
+        out.append((label, "remat", pol))
+    return out
+
+
+def _err(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if "saved tensor hooks" in msg:
+        return "(torch: saved tensor hooks unsupported)"
+    msg = f"{type(e).__name__}: {msg}"
+    return msg if len(msg) < 70 else msg[:67] + "..."
+
+
+def measure(model: GPT, params, cfg: Config, seed: int, rows, repeats: int, log=print) -> list[dict]:
+    """Memory and step time of each variant, torch.func and eager, timings interleaved."""
+    key = rnd.key(seed + 1)
+    inputs, targets, mask = make_batch(rnd.fold_in(key, 0), cfg)
+    k_drop = rnd.fold_in(key, 1)
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(params[k])
+
+    results = []
+    for label, kind, pol in rows:
+        r = {"variant": label, "kind": kind}
+        try:
+            model.set_variant(kind, pol)
+        except Exception as e:
+            r["func_error"] = r["eager_error"] = _err(e)
+            results.append(r)
+            continue
+        loss_fn = make_loss_fn(model)
+
+        # torch.func: grad_and_value of a functional_call
+        def probe(p, *a, _m=None, _box=None):
+            loss = loss_fn(p, *a)
+            _box["after"] = _m.live
+            return loss
+
+        try:
+            box: dict = {}
+            with LiveBytes() as m:
+                g, loss = grad_and_value(lambda p, *a: probe(p, *a, _m=m, _box=box))(
+                    params, inputs, targets, mask, k_drop)
+                del g, loss
+            r["func_peak"], r["func_after_fwd"] = m.peak / MiB, box["after"] / MiB
+            fn, calls = grad_and_value(loss_fn), list(model._calls)
+            r["_func"] = (lambda fn=fn, calls=calls: (setattr(model, "_calls", calls),
+                                                       fn(params, inputs, targets, mask, k_drop)))
+        except Exception as e:
+            r["func_error"] = "fails under torch.func " + _err(e)
+
+        # eager: loss.backward() on the module's own parameters
+        def eager_step():
+            model.zero_grad(set_to_none=True)
+            masked_loss(model(inputs, k_drop), targets, mask).backward()
+
+        try:
+            model.zero_grad(set_to_none=True)
+            with LiveBytes() as m:
+                loss = masked_loss(model(inputs, k_drop), targets, mask)
+                after = m.live
+                loss.backward()
+                del loss
+            r["eager_peak"], r["eager_after_fwd"] = m.peak / MiB, after / MiB
+            calls = list(model._calls)
+            r["_eager"] = (lambda calls=calls: (setattr(model, "_calls", calls), eager_step()))
+        except Exception as e:
+            r["eager_error"] = _err(e)
+        results.append(r)
+
+    # step times: every variant in turn, `repeats` rounds, median per variant
+    timed = [(r, k) for r in results for k in ("_func", "_eager") if k in r]
+    samples: dict[tuple[int, str], list[float]] = {(id(r), k): [] for r, k in timed}
+    bar = _progress(repeats * len(timed), "timing steps")
+    for r, k in timed:  # warm-up
+        r[k]()
+    for _ in range(repeats):
+        for r, k in timed:
+            t0 = time.perf_counter()
+            r[k]()
+            samples[(id(r), k)].append((time.perf_counter() - t0) * 1e3)
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    for r, k in timed:
+        r[k.strip("_") + "_ms"] = statistics.median(samples[(id(r), k)])
+        del r[k]
+    model.set_variant("remat")
+    return results
+
+
+def _cell(r, key, fmt="{:.2f}"):
+    return fmt.format(r[key]) if key in r else "-"
+
+
+def format_table(results: list[dict]) -> str:
+    lines = [
+        "| variant | torch.func peak (MiB) | torch.func after fwd (MiB) | torch.func step (ms) "
+        "| eager peak (MiB) | eager after fwd (MiB) | eager step (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        if "func_error" in r:
+            func = f"{r['func_error']} | | "
+        else:
+            func = f"{_cell(r, 'func_peak')} | {_cell(r, 'func_after_fwd')} | {_cell(r, 'func_ms', '{:.1f}')}"
+        if "eager_error" in r:
+            eager = f"{r['eager_error']} | | "
+        else:
+            eager = f"{_cell(r, 'eager_peak')} | {_cell(r, 'eager_after_fwd')} | {_cell(r, 'eager_ms', '{:.1f}')}"
+        lines.append(f"| {r['variant']} | {func} | {eager} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str, title: str) -> bool:
+    """Peak activation memory against step time, one point per variant and mode."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8.5, 5.5))
+    for mode, marker, color in (("func", "o", "tab:blue"), ("eager", "s", "tab:orange")):
+        pts = [(r[f"{mode}_ms"], r[f"{mode}_peak"], r["variant"]) for r in results
+               if f"{mode}_ms" in r and f"{mode}_peak" in r]
+        if not pts:
+            continue
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, s=40,
+                   label="torch.func.grad_and_value" if mode == "func" else "eager .backward()")
+        for i, (x, y, lab) in enumerate(pts):
+            dy = 4 if mode == "func" else -10 - 8 * (i % 2)
+            ax.annotate(lab.replace("remat ", ""), (x, y), fontsize=7, xytext=(5, dy),
+                        textcoords="offset points", color=color)
+    ax.set_xlabel("training step time (ms, median)")
+    ax.set_ylabel("peak live activation bytes (MiB, LiveBytes)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_loss(losses: list[float], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(losses, lw=0.8, alpha=0.5, label="loss")
+    w = max(1, len(losses) // 20)
+    smooth = [statistics.fmean(losses[max(0, i - w):i + 1]) for i in range(len(losses))]
+    ax.plot(smooth, lw=1.5, label=f"running mean ({w})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy")
+    ax.set_title("remat_fn demo: reversal task, functional training with remat")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(
+        prog="python -m remat_fn.demo",
+        description="Train a small GPT on a synthetic digit-reversal task with remat on every block "
+                    "in a torch.func training loop (functional_call + grad_and_value, dropout from "
+                    "remat_fn.random keys, hand-written AdamW), then print a table of activation memory "
+                    "and step time without remat, with torch.utils.checkpoint and with each remat "
+                    "policy, and plot memory against time.",
+    )
+    ap.add_argument("--steps", type=int, default=400,
+                    help="training steps (default 400: about a minute on 2 CPU cores at --size tiny)")
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny",
+                    help="model/task size: tiny (2 layers, d=64, 8 digits) or small (4 layers, d=128, "
+                         "12 digits); default tiny")
+    ap.add_argument("--out", default="demo_out",
+                    help="folder for results.json, the table (table.md) and the plots (default ./demo_out)")
+    ap.add_argument("--seed", type=int, default=0, help="seed for initialisation, data and dropout keys")
+    ap.add_argument("--no-plot", action="store_true", help="do not write PNG plots")
+    ap.add_argument("--repeats", type=int, default=7,
+                    help="timed rounds per variant for the table (median reported; default 7)")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error("--steps must be at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = SIZES[args.size]
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(args.seed)
+    model = GPT(cfg)
+    nparams = sum(p.numel() for p in model.parameters())
+    print(f"remat_fn demo: GPT {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, "
+          f"{nparams / 1e3:.0f}k parameters; task: reverse {cfg.digits} digits, batch {cfg.batch}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, python {platform.python_version()}")
+
+    params, losses, secs = train(model, cfg, args.steps, args.seed)
+    k = max(1, min(10, len(losses) // 5))
+    acc = accuracy(model, params, cfg, rnd.key(args.seed + 12345))
+    print(f"loss {statistics.fmean(losses[:k]):.3f} -> {statistics.fmean(losses[-k:]):.3f} in "
+          f"{args.steps} steps ({secs:.1f} s, {secs / args.steps * 1e3:.1f} ms/step); "
+          f"exact-match accuracy of greedy reversal {acc:.0%}")
+
+    rows = variants()
+    missing = [name for _, name, _ in POLICY_ROWS if getattr(remat_fn.policies, name, None) is None]
+    results = measure(model, params, cfg, args.seed, rows, args.repeats)
+    table = format_table(results)
+    print(f"\nOne training step, batch {cfg.batch} x {cfg.seq_len} tokens: activation memory "
+          f"(LiveBytes: peak, and live after the forward) and step time (median of {args.repeats}, "
+          "interleaved).  torch.func = grad_and_value(functional_call); eager = loss.backward().\n")
+    print(table)
+    if missing:
+        print(f"\n(policies not in this version of remat_fn, so not measured: {', '.join(sorted(set(missing)))})")
+    print("(offload policies move tensors from a GPU to the CPU; this machine has none, so they are not shown)")
+
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "machine": platform.machine(), "processor": platform.processor(),
+            "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "remat_fn": remat_fn.__version__}
+    out = {"info": info, "config": asdict(cfg), "size": args.size, "steps": args.steps,
+           "seed": args.seed, "losses": losses, "train_seconds": secs, "accuracy": acc,
+           "results": results}
+    with open(os.path.join(args.out, "results.json"), "w") as fh:
+        json.dump(out, fh, indent=2)
+    with open(os.path.join(args.out, "table.md"), "w") as fh:
+        fh.write(table + "\n")
+    written = []
+    if not args.no_plot:
+        p1 = os.path.join(args.out, "memory_vs_time.png")
+        p2 = os.path.join(args.out, "loss.png")
+        title = (f"GPT {cfg.layers}x{cfg.d_model}, batch {cfg.batch}x{cfg.seq_len}: "
+                 "peak activation memory vs step time")
+        if plot(results, p1, title):
+            written.append(p1)
+        if plot_loss(losses, p2):
+            written.append(p2)
+        if not written:
+            print("\n(matplotlib is not installed: no plots; pip install 'remat-fn[demo]')")
+    print("\nwrote " + ", ".join([os.path.join(args.out, "results.json"), os.path.join(args.out, "table.md"),
+                                  *written]))
+    return out
+
+
+if __name__ == "__main__":
+    main()
