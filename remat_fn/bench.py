@@ -20,9 +20,10 @@ Sections (all measured in one run, candidates interleaved, medians reported):
     Peak live bytes of ``torch.func.grad`` and ``vmap(grad)`` (per-sample
     gradients) with and without ``remat``; torch's checkpoint cannot run there.
 ``rss``
-    Peak resident set size of a fresh process per configuration
-    (``resource.getrusage`` in a subprocess), minus a baseline process that
-    builds the same model and batch but takes no step.
+    Peak resident set size of a fresh process per configuration (``VmHWM``,
+    or ``resource.getrusage`` where there is no ``/proc``, in a subprocess),
+    minus a baseline process that builds the same model and batch but takes
+    no full-size step.
 ``random``
     Throughput of :mod:`remat_fn.random` against torch's global-RNG samplers.
 
@@ -424,8 +425,27 @@ def _rss_child(spec: str) -> None:
             run(*variants[label], mode, (inputs, targets, mask), 2)
         except Exception as e:
             err = "fails" if "saved tensor hooks" in str(e) else f"{type(e).__name__}: {str(e)[:80]}"
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    print(json.dumps({"maxrss_MiB": kib / 1024, "error": err}))
+    print(json.dumps({"maxrss_MiB": _peak_rss_mib(), "error": err,
+                      "ru_maxrss_MiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak resident set size.
+
+    Linux keeps ``getrusage``'s ``ru_maxrss`` across fork + exec, so a child
+    started from a large parent reports the parent's peak; ``VmHWM`` in
+    ``/proc/self/status`` belongs to the new address space and does not.
+    Elsewhere ``ru_maxrss`` is used (KiB on Linux, bytes on macOS).
+    """
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r / (1 << 20) if sys.platform == "darwin" else r / 1024
 
 
 def bench_rss(quick: bool) -> dict:
@@ -456,8 +476,9 @@ def bench_rss(quick: bool) -> dict:
 
 
 def md_rss(r: dict) -> str:
-    lines = [f"Model: {r['model']}. `ru_maxrss` of a fresh process per row; the baseline process "
-             "imports torch and builds the model and batch but takes no step.", "",
+    lines = [f"Model: {r['model']}. Peak RSS (`VmHWM`) of a fresh process per row; the baseline "
+             "process imports the same modules, builds the model and batch and runs every variant on a "
+             "2-example batch, but takes no full-size step.", "",
              "| mode | variant | peak RSS (MiB) | above baseline (MiB) |", "|---|---|---:|---:|"]
     for row in r["rows"]:
         if row.get("error"):
