@@ -425,7 +425,8 @@ def format_table(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], path: str, title: str) -> bool:
-    """Peak activation memory against step time, one point per variant and mode."""
+    """Peak activation memory against step time: one panel per mode (torch.func,
+    eager), one numbered point per variant, the numbers explained on the right."""
     try:
         import matplotlib
 
@@ -433,24 +434,25 @@ def plot(results: list[dict], path: str, title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(8.5, 5.5))
-    for mode, marker, color in (("func", "o", "tab:blue"), ("eager", "s", "tab:orange")):
-        pts = [(r[f"{mode}_ms"], r[f"{mode}_peak"], r["variant"]) for r in results
-               if f"{mode}_ms" in r and f"{mode}_peak" in r]
-        if not pts:
-            continue
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, s=40,
-                   label="torch.func.grad_and_value" if mode == "func" else "eager .backward()")
-        for i, (x, y, lab) in enumerate(pts):
-            dy = 4 if mode == "func" else -10 - 8 * (i % 2)
-            ax.annotate(lab.replace("remat ", ""), (x, y), fontsize=7, xytext=(5, dy),
-                        textcoords="offset points", color=color)
-    ax.set_xlabel("training step time (ms, median)")
-    ax.set_ylabel("peak live activation bytes (MiB, LiveBytes)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
+    cmap = plt.get_cmap("tab20")
+    for ax, (mode, name) in zip(axes, (("func", "torch.func.grad_and_value"), ("eager", "eager .backward()"))):
+        for i, r in enumerate(results):
+            if f"{mode}_ms" not in r or f"{mode}_peak" not in r:
+                continue
+            x, y = r[f"{mode}_ms"], r[f"{mode}_peak"]
+            ax.scatter([x], [y], color=cmap(i % 20), s=60, zorder=3)
+            ax.annotate(str(i + 1), (x, y), fontsize=8, xytext=(5, 4), textcoords="offset points")
+        failed = [str(i + 1) for i, r in enumerate(results) if f"{mode}_error" in r]
+        sub = name + (f"  (fails here: {', '.join(failed)})" if failed else "")
+        ax.set_title(sub, fontsize=9)
+        ax.set_xlabel("training step time (ms, median)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("peak live activation bytes (MiB, LiveBytes)")
+    key = "\n".join(f"{i + 1}  {r['variant']}" for i, r in enumerate(results))
+    fig.text(0.70, 0.5, key, fontsize=8, va="center", family="monospace")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 0.69, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
