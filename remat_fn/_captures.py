@@ -151,10 +151,21 @@ class Scan:
 _EMPTY = object()
 
 
+_DTENSOR: list = []
+
+
 def _managed(t: torch.Tensor) -> bool:
     """DTensors (FSDP2, tensor parallel) are swapped by their owners around every
     call, recompute included; putting a forward-time one back would be wrong."""
-    return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import DTensor
+
+            _DTENSOR.append(DTensor)
+        except Exception:  # pragma: no cover - builds without torch.distributed
+            _DTENSOR.append(())
+    cls = _DTENSOR[0]
+    return bool(cls) and isinstance(t, cls)
 _ATOMS = frozenset({int, float, str, bool, bytes, complex, type(None), type(Ellipsis)})
 
 

@@ -160,6 +160,17 @@ def _make(fun, *, policy, static_argnums, static_argnames, prevent_cse, preserve
 
     pol = _Budgeted(policy) if isinstance(policy, memory_budget) else policy
 
+    from .policies import everything_saveable
+
+    if policy is everything_saveable:
+        # Saving everything autograd needs is exactly what plain autograd does:
+        # remat becomes a no-op, as in JAX (and keeps no more than no remat).
+        def wrapper(*args, **kwargs):
+            return fun(*args, **kwargs)
+
+        return _finish(wrapper, fun, policy, static_argnums, static_argnames, prevent_cse,
+                       preserve_rng_state, debug)
+
     def wrapper(*args, **kwargs):
         if torch.compiler.is_compiling():  # see remat_fn/_compile.py
             from ._compile import compiled_call
@@ -168,6 +179,11 @@ def _make(fun, *, policy, static_argnums, static_argnames, prevent_cse, preserve
         return _call(fun, name, args, kwargs, static_argnums, static_argnames,
                      preserve_rng_state, debug, pol)
 
+    return _finish(wrapper, fun, policy, static_argnums, static_argnames, prevent_cse,
+                   preserve_rng_state, debug)
+
+
+def _finish(wrapper, fun, policy, static_argnums, static_argnames, prevent_cse, preserve_rng_state, debug):
     try:
         functools.update_wrapper(wrapper, fun)
     except (AttributeError, TypeError):  # pragma: no cover

@@ -136,7 +136,9 @@ def _is_named(op: Any) -> bool:
 
 
 def everything_saveable(ctx, op, *args, **kwargs) -> bool:
-    """Save every value: nothing is recomputed (remat becomes a no-op)."""
+    """Save every value: nothing is recomputed.  ``remat(f, policy=everything_saveable)``
+    runs ``f`` as plain autograd would (remat becomes a no-op, as in JAX); inside
+    combinators it means "save every op's output"."""
     return True
 
 

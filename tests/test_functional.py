@@ -209,3 +209,23 @@ def test_int_inputs_and_outputs_under_vmap_grad():
     idx = torch.tensor([0, 2])
     ref = vmap(grad(loss(g), has_aux=True), in_dims=(0, None))(X, idx)
     assert_tree_close(vmap(grad(loss(remat(g)), has_aux=True), in_dims=(0, None))(X, idx), ref)
+
+
+def test_vmap_over_batched_parameters_read_through_a_module():
+    """MAML over tasks: one parameter set per task, swapped in and read by a closure."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 2, 4)
+    p = {k: v.detach() for k, v in lin.named_parameters()}
+    ps = {k: v.expand(3, *v.shape).clone() + 0.1 * torch.randn(3, *v.shape) for k, v in p.items()}
+
+    def make(use):
+        block = remat(lambda h: torch.tanh(lin(h))) if use else (lambda h: torch.tanh(lin(h)))
+
+        def loss(p, x):
+            with torch.nn.utils.stateless._reparametrize_module(lin, p):
+                return block(x).pow(2).sum()
+        return loss
+
+    assert_tree_close(vmap(make(True))(ps, x), vmap(make(False))(ps, x))
+    assert_tree_close(vmap(grad(make(True)))(ps, x), vmap(grad(make(False)))(ps, x))
