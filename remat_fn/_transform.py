@@ -93,12 +93,16 @@ def remat(
     - `fun`: the function (or module) to rematerialise.  Inputs and outputs
       are pytrees (optree); tensor leaves are dynamic, other leaves pass
       through unchanged.
-    - `policy`: which intermediate values to save instead of recompute.
+    - `policy`: which intermediate values to save (or offload) instead of
+      recompute: one of :mod:`remat_fn.policies`, any torch selective-checkpoint
+      policy ``policy(ctx, op, *args, **kwargs)``, or a list of aten ops to save.
       ``None`` (the default) is ``nothing_saveable``: only the inputs are kept.
     - `static_argnums` / `static_argnames`: arguments passed through as they
       are, never flattened (tensors there are treated as constants).
-    - `prevent_cse`: accepted for JAX parity; eager PyTorch has no common
-      subexpression elimination to prevent.
+    - `prevent_cse`: accepted for JAX parity.  Eager PyTorch has no common
+      subexpression elimination to prevent; under ``torch.compile`` the region
+      is always traced as torch's checkpoint region, which the compiler
+      recomputes as the policy says and does not merge away.
     - `preserve_rng_state`: snapshot the global CPU and device RNG states so
       that random ops (``nn.Dropout``) recompute bit for bit.  A region that
       draws no random numbers keeps no state.

@@ -184,3 +184,57 @@ def test_random_compositions(program, comp, nest, seed, pol):
 
     x = torch.randn(3, generator=g, dtype=torch.float64)
     assert_tree_close(mk(True)(x), mk(False)(x), rtol=1e-9, atol=1e-10)
+
+
+ACTS = [torch.nn.Tanh, torch.nn.GELU, torch.nn.Sigmoid, torch.nn.SiLU]
+
+
+@settings(max_examples=40, deadline=None)
+@given(widths=st.lists(st.integers(2, 6), min_size=2, max_size=4), acts=st.lists(st.integers(0, 3), min_size=3, max_size=3),
+       pol=st.sampled_from([None, "dots", "names", "budget"]), transform=st.sampled_from(["grad", "vmap_grad", "jacrev", "eager"]),
+       seed=st.integers(0, 10_000))
+def test_random_modules_functional_call(widths, acts, pol, transform, seed):
+    """Random MLPs; every layer rematerialised; parameters swapped in by functional_call."""
+    from torch.func import functional_call
+
+    from remat_fn import checkpoint_name, policies as P
+
+    torch.manual_seed(seed)
+    layers = []
+    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+        layers += [torch.nn.Linear(a, b).double(), ACTS[acts[i % 3]]()]
+    net = torch.nn.Sequential(*layers)
+    policy = {None: None, "dots": P.dots_saveable, "names": P.save_only_these_names("act"),
+              "budget": P.memory_budget(0.5)}[pol]
+    rlayers = [remat(m, policy=policy) for m in net]
+
+    def forward(use, x):
+        for m, rm in zip(net, rlayers):
+            x = rm(x) if use else m(x)
+            x = checkpoint_name(x, "act")
+        return x
+
+    def loss(use):
+        def f(p, x):
+            from torch.nn.utils.stateless import _reparametrize_module
+
+            with _reparametrize_module(net, p):
+                return forward(use, x).pow(2).sum()
+        return f
+
+    params = {k: v.detach() * 1.1 for k, v in net.named_parameters()}
+    x = torch.randn(3, widths[0], dtype=torch.float64)
+    if transform == "grad":
+        a, b = grad(loss(True))(params, x), grad(loss(False))(params, x)
+    elif transform == "vmap_grad":
+        a = vmap(grad(loss(True)), in_dims=(None, 0))(params, x)
+        b = vmap(grad(loss(False)), in_dims=(None, 0))(params, x)
+    elif transform == "jacrev":
+        a, b = jacrev(loss(True), argnums=1)(params, x), jacrev(loss(False), argnums=1)(params, x)
+    else:
+        res = []
+        for use in (True, False):
+            ps = {k: v.clone().requires_grad_() for k, v in params.items()}
+            res.append(torch.autograd.grad(loss(use)(ps, x), list(ps.values())))
+        a, b = res
+    assert_tree_close(a, b, rtol=1e-10, atol=1e-12)
