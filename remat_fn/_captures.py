@@ -169,11 +169,15 @@ def _managed(t: torch.Tensor) -> bool:
 _ATOMS = frozenset({int, float, str, bool, bytes, complex, type(None), type(Ellipsis)})
 
 
-def _version(t: torch.Tensor) -> int:
-    if not _F.is_functorch_wrapped_tensor(t):
-        return t._version
+def unwrap_all(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor below every functorch wrapper around ``t``."""
     while _F.is_functorch_wrapped_tensor(t):
         t = _F.get_unwrapped(t)
+    return t
+
+
+def _version(t: torch.Tensor) -> int:
+    t = unwrap_all(t)
     try:
         return t._version
     except (RuntimeError, NotImplementedError):  # pragma: no cover - exotic subclasses

@@ -22,6 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ._captures import unwrap_all as _base
 from ._errors import PolicyError, RecomputeMismatchError
 from .policies import NAMED, Offload
 
@@ -128,10 +129,6 @@ def forward_mode_active() -> bool:
     return False
 
 
-def _base(t: torch.Tensor) -> torch.Tensor:
-    while _F.is_functorch_wrapped_tensor(t):
-        t = _F.get_unwrapped(t)
-    return t
 
 
 def _kept(out):
@@ -215,14 +212,13 @@ class Offloader:
 class _Entry:
     """What is kept of one op's output: the whole output, or some of its tensors."""
 
-    __slots__ = ("out", "parts", "meta", "offloaded", "kind", "name")
+    __slots__ = ("out", "parts", "meta", "offloaded", "name")
 
     def __init__(self, meta):
         self.out = None  # full output (pytree of tensors), or None
         self.parts: dict[int, Any] = {}  # index -> tensor (or offload handle)
         self.meta = meta
         self.offloaded: dict[int, Any] = {}
-        self.kind = "saved"
         self.name: str | None = None
 
 
@@ -282,9 +278,9 @@ class Record:
             e = self.entries.setdefault(key, _Entry(_meta(args)))
             e.out = _kept(out)
         elif isinstance(d, Offload):
-            self._offload(key, args, leaves, range(len(leaves)), d)
+            self._offload(key, leaves, range(len(leaves)), d)
 
-    def _offload(self, key, args, leaves, idxs, d: Offload, name=None) -> None:
+    def _offload(self, key, leaves, idxs, d: Offload, name=None) -> None:
         e = self.entries.get(key)
         if e is None:
             e = self.entries[key] = _Entry(None)
@@ -296,7 +292,6 @@ class Record:
                 e.parts[i] = t  # not on the offload source: just keep it
                 continue
             e.offloaded[i] = self.offloader.put(t, torch.device(d.dst))
-        e.kind = "offloaded" if e.offloaded else e.kind
         e.name = name or e.name
 
     def named(self, t: torch.Tensor, name: str) -> None:
@@ -320,7 +315,7 @@ class Record:
             e = self.entries.get(key)
             if e is not None and e.out is not None:  # op rule saved it; offload instead
                 e.out = None
-            self._offload(key, None, leaves, (i,), d, name)
+            self._offload(key, leaves, (i,), d, name)
         elif d == "force":
             self.entries.pop(key, None)
 
