@@ -14,7 +14,6 @@ function on the real (non-detached) inputs, tensors the function closes over,
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 from ._captures import scan
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._rng_state import RNGSnapshot
+from ._saving import Record, forward_mode_active, saving
 
 __all__ = ["eager_call"]
 
@@ -162,7 +162,7 @@ class _Frame:
         args, kwargs = self.inputs()
         _push_hooks(rpack, runpack)
         try:
-            with torch.enable_grad(), self.scan.relocated(), _replaying(self.rec):
+            with torch.enable_grad(), self.scan.relocated(), saving(self.rec, recompute=True):
                 if rng is not None:
                     rng.__enter__()
                 try:
@@ -208,17 +208,6 @@ def _desc(shape, dtype, device) -> str:
     return f"{short_dtype(dtype)}[{','.join(str(s) for s in shape)}] on {device}"
 
 
-def _replaying(rec):
-    if rec is None:
-        return contextlib.nullcontext()
-    from ._saving import SaveMode, forward_mode_active
-
-    if forward_mode_active():
-        return contextlib.nullcontext()
-
-    return SaveMode(rec, recompute=True)
-
-
 def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bool,
                devices: list[torch.device], policy=None) -> Any:
     """Run ``fun`` so that its saved tensors are recomputed in backward."""
@@ -227,19 +216,11 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
     leaves = optree.tree_leaves((args, kwargs)) if kwargs else optree.tree_leaves(args)
     in_versions = [(x, x._version) for x in leaves if isinstance(x, torch.Tensor)]
     snap = RNGSnapshot(devices) if preserve_rng_state else None
-    if policy is not None:
-        from ._saving import Record, SaveMode, forward_mode_active
-
-        if forward_mode_active():
-            policy = None
-    if policy is not None:
+    if policy is not None and not forward_mode_active():
         frame.rec = Record(policy)
-        saving = SaveMode(frame.rec, recompute=False)
-    else:
-        saving = contextlib.nullcontext()
     _push_hooks(frame.pack, frame.unpack)
     try:
-        with saving:
+        with saving(frame.rec, recompute=False):
             if debug:
                 from ._debug import OpTrace
 

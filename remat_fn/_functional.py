@@ -30,6 +30,7 @@ import torch
 from ._captures import CaptureMode, MissedCapture, describe, needs_grad
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._rng_state import RNGSnapshot
+from ._saving import Record, saving
 
 __all__ = ["functional_call"]
 
@@ -55,16 +56,6 @@ class _Spec:
         self.fwd_hits: set[int] = set()
         self.rec = None  # remat_fn._saving.Record when a policy is in force
         self.needs: list[bool] = []  # which tensor inputs need a gradient
-
-    def saving(self, recompute: bool):
-        if self.rec is None:
-            return contextlib.nullcontext()
-        from ._saving import SaveMode, forward_mode_active
-
-        if recompute and forward_mode_active():
-            return contextlib.nullcontext()  # full recompute (see forward_mode_active)
-
-        return SaveMode(self.rec, recompute)
 
     def call(self, tensors, known: set[int] | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
@@ -121,18 +112,15 @@ class _RematFunction(torch.autograd.Function):
 
             def f(*diff):
                 known.update(id(t) for t in diff)
-                full = list(tensors)
-                for i, t in zip(wrt, diff):
-                    full[i] = t
-                o, rb = spec.call(full, known)
+                o, rb = spec.call(_replace(tensors, wrt, diff), known)
                 box.append(rb)
                 return o
 
-            with spec.saving(False):
+            with saving(spec.rec, recompute=False):
                 outs, _ = torch.func.vjp(f, *[tensors[i] for i in wrt])
             rebuild = box[-1]
         else:
-            with spec.saving(False):
+            with saving(spec.rec, recompute=False):
                 outs, rebuild = spec.call(tensors, known)
         if spec.rec is not None:
             spec.rec.producer = {}
@@ -173,7 +161,7 @@ class _RematFunction(torch.autograd.Function):
 
         f = _recompute_fn(spec, tensors, wrt, out_diff)
         with torch.no_grad() if detach else contextlib.nullcontext(), spec.rng or contextlib.nullcontext():
-            with spec.saving(True):
+            with saving(spec.rec, recompute=True):
                 _, vjp_fn = torch.func.vjp(f, *[tensors[i] for i in wrt])
             gin = vjp_fn(cot)
         for i, g in zip(wrt, gin):
@@ -194,14 +182,19 @@ class _RematFunction(torch.autograd.Function):
         return tuple(next(it) if d else None for d in out_diff)
 
 
+def _replace(tensors, wrt, diff):
+    """``tensors`` with the positions ``wrt`` replaced by ``diff``."""
+    full = list(tensors)
+    for i, t in zip(wrt, diff):
+        full[i] = t
+    return full
+
+
 def _recompute_fn(spec: _Spec, tensors, wrt, out_diff):
     """The region as a function of its differentiated inputs, returning its differentiable outputs."""
 
     def f(*diff_inputs):
-        full = list(tensors)
-        for i, t in zip(wrt, diff_inputs):
-            full[i] = t
-        outs = _checked(spec, spec.call(full, None)[0])
+        outs = _checked(spec, spec.call(_replace(tensors, wrt, diff_inputs), None)[0])
         return tuple(o for o, d in zip(outs, out_diff) if d)
 
     return f
@@ -299,8 +292,6 @@ def functional_call(
         spec = _Spec(spec_run, len(inputs), captured, name, debug, scan)
         if policy is not None:
             from ._captures import needs_grad
-            from ._saving import Record
-
             spec.rec = Record(policy)
             spec.needs = [needs_grad(t) and _is_diff(t) for t in (*inputs, *captured)]
         try:

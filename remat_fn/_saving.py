@@ -14,6 +14,7 @@ they are all sent back at once (asynchronously on CUDA, see :class:`Offloader`).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -26,7 +27,7 @@ from ._captures import unwrap_all as _base
 from ._errors import PolicyError, RecomputeMismatchError
 from .policies import NAMED, Offload
 
-__all__ = ["Record", "SaveMode", "decide", "checkpoint_name", "Offloader", "normalize_policy"]
+__all__ = ["Record", "SaveMode", "saving", "decide", "checkpoint_name", "Offloader", "normalize_policy"]
 
 _F = torch._C._functorch
 _local = threading.local()
@@ -406,7 +407,9 @@ class SaveMode(TorchDispatchMode):
         self.recompute = recompute
         self.counts: dict[Any, int] = {}
         self.pos = 0
-        self.diverged = False
+        # Forward-mode tangent ops interleave with the region's own ops, so no
+        # replay while forward-mode AD is on (see forward_mode_active).
+        self.diverged = recompute and forward_mode_active()
 
     def __enter__(self):
         stack = getattr(_local, "stack", None)
@@ -451,6 +454,11 @@ class SaveMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.rec.after_op(func, key, args, kwargs, out)
         return out
+
+
+def saving(rec: Record | None, recompute: bool):
+    """The context that applies (``recompute=False``) or replays ``rec``; a no-op without one."""
+    return contextlib.nullcontext() if rec is None else SaveMode(rec, recompute)
 
 
 def checkpoint_name(x: Any, name: str) -> Any:
