@@ -334,35 +334,35 @@ class _Budgeted:
         self.budget = budget
         self.plans: dict = {}
 
-    @staticmethod
-    def _sig(tag, tensors):
-        return (tag, tuple((tuple(t.shape), t.dtype, t.device.type) for t in tensors))
-
-    def plan_eager(self, fun, args, kwargs):
+    def _plan(self, tag, tensors, make_run):
+        """The cached plan for these input shapes, measuring ``make_run()`` on a miss."""
         from ._budget import make_plan, measure
 
-        leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
-        ts = [x for x in leaves if isinstance(x, torch.Tensor)]
-        sig = self._sig("eager", ts)
+        sig = (tag, tuple((tuple(t.shape), t.dtype, t.device.type) for t in tensors))
         plan = self.plans.get(sig)
         if plan is None:
+            items, ref = measure(make_run())
+            plan = self.plans[sig] = make_plan(self.budget.fraction, items, ref)
+        return plan
+
+    def plan_eager(self, fun, args, kwargs):
+        leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+
+        def make_run():
             def run():
                 lv = [_leaf(x, x.requires_grad) if isinstance(x, torch.Tensor) else x for x in leaves]
                 a, kw = optree.tree_unflatten(spec, lv)
                 return fun(*a, **kw)
+            return run
 
-            items, ref = measure(run)
-            plan = self.plans[sig] = make_plan(self.budget.fraction, items, ref)
-        return plan
+        return self._plan("eager", [x for x in leaves if isinstance(x, torch.Tensor)], make_run)
 
     def plan_functorch(self, run, inputs, captured):
-        from ._budget import make_plan, measure
         from ._captures import CaptureMode, needs_grad
 
         ex = [_example(t) for t in inputs]
-        sig = self._sig("func", ex)
-        plan = self.plans.get(sig)
-        if plan is None:
+
+        def make_run():
             grads = [needs_grad(t) for t in inputs]
             cap = [(c, _example(c)) for c in captured]
 
@@ -371,7 +371,6 @@ class _Budgeted:
                 subst = {id(o): _leaf(b, True) for o, b in cap}
                 with CaptureMode(subst, None):
                     return run(xs)
+            return r
 
-            items, ref = measure(r)
-            plan = self.plans[sig] = make_plan(self.budget.fraction, items, ref)
-        return plan
+        return self._plan("func", ex, make_run)
