@@ -23,13 +23,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import types
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["needs_grad", "scan", "Scan", "CaptureMode", "MissedCapture", "describe"]
+from ._errors import RecomputeMismatchError, RematError
+from ._format import user_frame
+
+__all__ = ["needs_grad", "scan", "Scan", "CaptureMode", "MissedCapture", "OpTrace", "describe",
+           "mutated_input", "entered", "region_depth"]
 
 _F = torch._C._functorch
 _SKIP_MODULE_PREFIXES = ("torch", "optree", "remat_fn", "numpy", "builtins", "functools")
@@ -93,13 +98,18 @@ class Scan:
 
     def record_versions(self, extra: list[torch.Tensor] = ()) -> None:
         """Remember the version counter of every reachable tensor (after the forward)."""
-        self.versions = [(t, _version(t)) for t in (*self.tensors.values(), *extra)]
+        versions = []
+        for t in (*self.tensors.values(), *extra):
+            v = _version(t)
+            if v is not None:
+                versions.append((t, v))
+        self.versions = versions
 
     def check_versions(self, name: str) -> None:
         """Raise if a reachable tensor was modified in place since :meth:`record_versions`."""
         for t, v in self.versions:
             now = _version(t)
-            if now != v:
+            if now is not None and now != v:
                 from ._errors import MutatedSavedTensorError
 
                 raise MutatedSavedTensorError(
@@ -166,6 +176,7 @@ def _managed(t: torch.Tensor) -> bool:
             _DTENSOR.append(())
     cls = _DTENSOR[0]
     return bool(cls) and isinstance(t, cls)
+_CONTAINERS = (list, tuple, dict)
 _ATOMS = frozenset({int, float, str, bool, bytes, complex, type(None), type(Ellipsis)})
 
 
@@ -176,12 +187,16 @@ def unwrap_all(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _version(t: torch.Tensor) -> int:
+def _version(t: torch.Tensor) -> int | None:
+    """The version counter of the storage behind ``t``; ``None`` for a tensor with
+    no storage of its own (a transform's wrapper seen while its level is live,
+    which is gone once the level exits and so cannot be mutated afterwards)."""
     t = unwrap_all(t)
     try:
+        t.untyped_storage()
         return t._version
-    except (RuntimeError, NotImplementedError):  # pragma: no cover - exotic subclasses
-        return 0
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 _NULL = contextlib.nullcontext()
@@ -242,9 +257,11 @@ def scan(fn: Any) -> Scan:
                         if t is not None:
                             put(d, k, t)
                 d = sub.__dict__
-                for k, v in d.items():  # plain tensor attributes
+                for k, v in d.items():  # plain tensor attributes, and tensors in containers
                     if isinstance(v, torch.Tensor):
                         put(d, k, v)
+                    elif type(v) in _CONTAINERS and not k.startswith("_"):
+                        visit(v, depth + 1)
             fwd = getattr(type(obj), "forward", None)
             if isinstance(fwd, types.FunctionType) and _user_function(fwd):
                 visit_globals(fwd, depth + 1)
@@ -261,6 +278,11 @@ def scan(fn: Any) -> Scan:
                 visit(a, depth + 1)
             return
         if isinstance(obj, types.FunctionType):
+            # A decorated function (functools.wraps, another remat) reaches
+            # what the function it wraps reaches, whatever module defined it.
+            wrapped = getattr(obj, "__wrapped__", None)
+            if wrapped is not None:
+                visit(wrapped, depth + 1)
             if not _user_function(obj):
                 return
             for var, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
@@ -304,6 +326,26 @@ def scan(fn: Any) -> Scan:
     return res
 
 
+_nesting = threading.local()
+
+
+def region_depth() -> int:
+    """How many remat regions this thread is inside of (see :func:`entered`)."""
+    return getattr(_nesting, "depth", 0)
+
+
+@contextlib.contextmanager
+def entered():
+    """Mark a remat region's call: the op trace of an enclosing region treats the
+    whole nested call as opaque (it may run plainly in one run and as a custom
+    ``autograd.Function`` in the other)."""
+    _nesting.depth = region_depth() + 1
+    try:
+        yield
+    finally:
+        _nesting.depth -= 1
+
+
 class MissedCapture(Exception):
     """Internal: the forward touched a gradient-carrying tensor nobody threaded."""
 
@@ -319,14 +361,23 @@ class CaptureMode(TorchFunctionMode):
         subst: ``id(original) -> replacement``.
         known: ``id()`` of tensors that may be used freely (the region's
             inputs); tensors produced inside the region are added as they
-            appear.  ``None`` disables the safety net.
+            appear.  ``None`` disables the safety net (a recomputation).
+        trace: the region's :class:`OpTrace`: recorded in the forward,
+            checked during a recomputation.
+        name: the region's name, for error messages.
     """
 
-    def __init__(self, subst: dict[int, torch.Tensor], known: set[int] | None):
+    def __init__(self, subst: dict[int, torch.Tensor], known: set[int] | None,
+                 trace: OpTrace | None = None, name: str = "fn"):
         super().__init__()
         self.subst = subst
         self.known = known
         self.hits: set[int] = set()
+        self.trace = trace
+        self.name = name
+        self.depth = region_depth()
+        # the region's inputs (and their replacements), which it must not modify
+        self.inputs = frozenset(known) | {id(r) for r in subst.values()} if known is not None else None
 
     def _fix(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -335,27 +386,147 @@ class CaptureMode(TorchFunctionMode):
                 self.hits.add(id(x))
                 return r
             known = self.known
-            if known is not None and id(x) not in known and needs_grad(x):
+            if known is not None and id(x) not in known and needs_grad(x) and not self._inner(x):
                 raise MissedCapture(x)
             return x
         tx = type(x)
         if tx is tuple or tx is list:
             return tx(self._fix(v) for v in x)
+        if isinstance(x, tuple) and hasattr(tx, "n_fields"):  # torch.return_types
+            return tx(tuple(self._fix(v) for v in x))
         if tx is dict:
             return {k: self._fix(v) for k, v in x.items()}
         return x
 
+    def _inner(self, x: torch.Tensor) -> bool:
+        """True for a wrapper made inside the region (by ``torch.func.grad`` or
+        ``vmap`` called by the function) around a tensor the region knows."""
+        t = x
+        while _F.is_functorch_wrapped_tensor(t):
+            t = _F.get_unwrapped(t)
+            if id(t) in self.known or id(t) in self.subst:
+                self.known.add(id(x))
+                return True
+        return False
+
     def _note(self, out: Any) -> None:
         if isinstance(out, torch.Tensor):
             self.known.add(id(out))
-        elif type(out) in (tuple, list):
+        elif isinstance(out, (tuple, list)):  # also torch.return_types and namedtuples
             for o in out:
                 self._note(o)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         args = self._fix(args)
         kwargs = self._fix(kwargs) if kwargs else {}
+        inputs = self.inputs
+        if inputs is not None and args and id(args[0]) in inputs and _in_place(func):
+            raise mutated_input(self.name, args[0])
         out = func(*args, **kwargs)
         if self.known is not None:
             self._note(out)
+        if self.trace is not None and region_depth() == self.depth:
+            self.trace.step(func, out, self.known is None, self.name)
         return out
+
+
+_IN_PLACE_DUNDERS = frozenset({
+    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+    "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__",
+})
+_NOT_DATA = frozenset({"requires_grad_", "share_memory_", "retain_grad", "register_hook"})
+
+
+def _in_place(func) -> bool:
+    """True for the torch functions that write into their first argument."""
+    name = getattr(func, "__name__", "")
+    if name in _IN_PLACE_DUNDERS:
+        return True
+    return name.endswith("_") and not name.startswith("_") and name not in _NOT_DATA
+
+
+def mutated_input(name: str, t: torch.Tensor) -> RematError:
+    """The error for a region that modifies one of its inputs in place."""
+    return RematError(
+        f"remat({name}) modified its input {describe(t)} in place; recomputing the region in "
+        "backward would apply the change twice. Fix: work on a copy inside the function "
+        "(x = x.clone()) or move the in-place update out of the rematerialised region."
+    )
+
+
+def _out_meta(out: Any) -> tuple | None:
+    if isinstance(out, torch.Tensor):
+        return ((tuple(out.shape), out.dtype, out.device),)
+    if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
+        return tuple((tuple(o.shape), o.dtype, o.device) if isinstance(o, torch.Tensor) else None
+                     for o in out)
+    return None
+
+
+class OpTrace:
+    """The tensor-producing torch calls of a region's forward, checked on recompute.
+
+    The ``torch.func`` path cannot see the tensors autograd saves (saved-tensor
+    hooks are refused there), so it checks, call by call, that the
+    recomputation produces tensors of the same count, shapes, dtypes and
+    devices as the forward did: what the eager path checks on saved tensors.
+    """
+
+    __slots__ = ("ops", "pos", "where")
+
+    def __init__(self, where: bool = False):
+        self.ops: list[tuple] = []
+        self.pos = 0
+        self.where = where  # also record user source lines (debug=True)
+
+    def rewind(self) -> None:
+        self.pos = 0
+
+    def step(self, func, out, recompute: bool, name: str) -> None:
+        meta = _out_meta(out)
+        if meta is None:
+            return
+        if not recompute:
+            self.ops.append((func, meta, user_frame() if self.where else None))
+            return
+        i = self.pos
+        self.pos = i + 1
+        if i >= len(self.ops):
+            self._mismatch(name, f"the recomputation ran more tensor ops than the {len(self.ops)} "
+                           f"of the forward (extra: {_fname(func)} -> {_fmeta(meta)})")
+        f0, m0, _ = self.ops[i]
+        if m0 != meta or (f0 is not func and _fname(f0) != _fname(func)):
+            self._mismatch(name, f"tensor op #{i} was {_fname(f0)} -> {_fmeta(m0)} in the forward "
+                           f"but {_fname(func)} -> {_fmeta(meta)} on recompute")
+
+    def finish(self, name: str) -> None:
+        """After a complete recomputation: it must have run every op of the forward."""
+        if self.pos != len(self.ops):
+            self._mismatch(name, f"the recomputation ran {self.pos} tensor ops but the forward "
+                           f"ran {len(self.ops)}")
+
+    def _mismatch(self, name: str, what: str):
+        msg = (
+            f"Recomputing remat({name}) did not reproduce the forward: {what}. The region must "
+            "run the same ops on tensors of the same shapes each time: make control flow depend "
+            "only on its arguments (pass Python values through static_argnums/static_argnames), "
+            "not on global state, and keep preserve_rng_state=True (or use remat_fn.random keys) "
+            "for random ops."
+        )
+        if self.where:
+            msg += "\nforward ops:\n" + "\n".join(
+                f"  {_fname(f)} -> {_fmeta(m)}  {w}" for f, m, w in self.ops[: self.pos + 1])
+        else:
+            msg += " Pass debug=True to see the forward's ops with user source lines."
+        raise RecomputeMismatchError(msg)
+
+
+def _fname(func) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
+
+
+def _fmeta(meta) -> str:
+    from ._format import short_dtype
+
+    parts = [f"{short_dtype(m[1])}[{','.join(map(str, m[0]))}]" if m else "-" for m in meta]
+    return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"

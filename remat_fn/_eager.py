@@ -20,7 +20,7 @@ from typing import Any
 import optree
 import torch
 
-from ._captures import scan
+from ._captures import mutated_input, scan
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._rng_state import RNGSnapshot
 from ._saving import Record, forward_mode_active, saving
@@ -140,7 +140,7 @@ class _Frame:
                     # tensor; those hooks (or the enclosing region) check it.
                     mutated = self.stash is None
                 else:
-                    mutated = t.requires_grad
+                    mutated = True
                 if mutated:
                     raise MutatedSavedTensorError(
                         f"A tensor {_desc(shape, dtype, device)} needed to recompute "
@@ -234,14 +234,7 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
     if frame.meta:
         for x, v in in_versions:
             if x._version != v:
-                from ._format import short_dtype
-
-                raise RematError(
-                    f"remat({name}) modified its input {short_dtype(x.dtype)}{list(x.shape)} in "
-                    "place; recomputing the region in backward would apply the change twice. "
-                    "Fix: work on a copy inside the function (x = x.clone()) or move the in-place "
-                    "update out of the rematerialised region."
-                )
+                raise mutated_input(name, x)
         # Remember where the tensors the function reaches live, so that the
         # recomputation sees the same ones even if (as with
         # torch.func.functional_call) they are swapped back before backward.

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._captures import CaptureMode, MissedCapture, describe, needs_grad
+from ._captures import CaptureMode, MissedCapture, OpTrace, describe, needs_grad
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._rng_state import RNGSnapshot
 from ._saving import Record, saving
@@ -36,12 +36,16 @@ __all__ = ["functional_call"]
 
 _F = torch._C._functorch
 _GRAD_KEYS = (_F.TransformType.Grad,)
+# Each retry threads one more tensor closed over; real functions close over a
+# bounded number of them, so a long run of retries means a bug, not a model.
+_MAX_RETRIES = 256
 
 
 class _Spec:
     """Everything the Function needs that is not a tensor input."""
 
-    __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "scan", "fwd_hits", "rec", "needs")
+    __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "scan",
+                 "fwd_hits", "rec", "needs", "trace", "views")
 
     def __init__(self, run, n_in, captured, name, debug, scan):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -56,6 +60,8 @@ class _Spec:
         self.fwd_hits: set[int] = set()
         self.rec = None  # remat_fn._saving.Record when a policy is in force
         self.needs: list[bool] = []  # which tensor inputs need a gradient
+        self.trace = OpTrace(where=debug)  # the forward's tensor ops, checked on recompute
+        self.views: dict[int, tuple] = {}  # output index -> (input index, size, stride, offset)
 
     def call(self, tensors, known: set[int] | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
@@ -67,16 +73,19 @@ class _Spec:
     def _call(self, tensors, known):
         n = self.n_in
         subst = {id(o): r for o, r in zip(self.captured, tensors[n:])}
-        if not subst and known is None:
-            return self.run(list(tensors[:n]))
-        mode = CaptureMode(subst, known)
+        recompute = known is None
+        if recompute:
+            self.trace.rewind()
+        mode = CaptureMode(subst, known, self.trace, self.name)
         with mode:
             outs, rebuild = self.run(list(tensors[:n]))
         # A captured tensor returned as is never went through an op.
         out = (tuple(mode._fix(o) for o in outs), rebuild)
-        if known is not None:
+        if not recompute:
             self.fwd_hits = mode.hits
-        elif not self.fwd_hits <= mode.hits:
+            return out
+        self.trace.finish(self.name)
+        if not self.fwd_hits <= mode.hits:
             lost = [o for o in self.captured if id(o) in self.fwd_hits - mode.hits]
             raise RematError(
                 f"remat({self.name}): the recomputation did not use the tensor "
@@ -108,22 +117,29 @@ class _RematFunction(torch.autograd.Function):
             # (under a vjp level), so that ops whose decomposition depends on
             # requires_grad (matmul folding, linear on 3-D inputs, ...) appear in
             # the same order and the kept outputs can be replayed.
+            # vjp differentiates floating outputs only: integer and boolean
+            # outputs travel as its auxiliary output.
             box = []
 
             def f(*diff):
                 known.update(id(t) for t in diff)
                 o, rb = spec.call(_replace(tensors, wrt, diff), known)
-                box.append(rb)
-                return o
+                mask = [_is_diff(t) for t in o]
+                box.append((rb, mask))
+                return (tuple(t for t, d in zip(o, mask) if d),
+                        tuple(t for t, d in zip(o, mask) if not d))
 
             with saving(spec.rec, recompute=False):
-                outs, _ = torch.func.vjp(f, *[tensors[i] for i in wrt])
-            rebuild = box[-1]
+                douts, _, aux = torch.func.vjp(f, *[tensors[i] for i in wrt], has_aux=True)
+            rebuild, mask = box[-1]
+            diff, other = iter(douts), iter(aux)
+            outs = tuple(next(diff) if d else next(other) for d in mask)
         else:
             with saving(spec.rec, recompute=False):
                 outs, rebuild = spec.call(tensors, known)
         if spec.rec is not None:
             spec.rec.producer = {}
+        spec.views = _input_views(outs, tensors)
         inputs = set(id(t) for t in tensors)
         # An output that *is* an input would be aliased by autograd; return a view.
         outs = tuple(o.view_as(o) if id(o) in inputs else o for o in outs)
@@ -141,10 +157,14 @@ class _RematFunction(torch.autograd.Function):
         if nd:
             ctx.mark_non_differentiable(*nd)
         ctx.out_diff = [_is_diff(o) for o in output]
+        # Outputs nobody differentiates arrive as None: see backward.
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, *grads):
         spec: _Spec = ctx.spec
+        if all(g is None for g in grads):  # no gradient flows in: nothing to recompute
+            return (None,) * len(ctx.needs_input_grad)
         tensors = _saved(ctx, spec)
         wrt = [i for i, t in enumerate(tensors) if ctx.needs_input_grad[i + 1] and _is_diff(t)]
         result: list[Any] = [None] * (len(tensors) + 1)
@@ -180,6 +200,32 @@ class _RematFunction(torch.autograd.Function):
             _, touts = torch.func.jvp(f, tuple(tensors[i] for i in wrt), tuple(tangents[i] for i in wrt))
         it = iter(touts)
         return tuple(next(it) if d else None for d in out_diff)
+
+
+def _input_views(outs, tensors) -> dict[int, tuple]:
+    """The outputs that are plain views of an input: ``{i: (j, size, stride, offset)}``.
+
+    Such an output is rebuilt outside the Function as the same view of the
+    caller's tensor, so that autograd knows it is a view: modifying it in place
+    then behaves as in plain code (a custom Function's view output may not be
+    modified in place).  Under ``vmap`` (wrapped tensors) this is skipped.
+    """
+    found = {}
+    storages = {}
+    for j, t in enumerate(tensors):
+        if not _F.is_functorch_wrapped_tensor(t) and t.layout == torch.strided:
+            storages.setdefault(t.untyped_storage().data_ptr(), j)
+    if not storages:
+        return found
+    ids = {id(t) for t in tensors}
+    for i, o in enumerate(outs):
+        if (id(o) in ids or _F.is_functorch_wrapped_tensor(o) or o.layout != torch.strided
+                or not o.numel()):
+            continue  # an input returned as is stays inside (see forward)
+        j = storages.get(o.untyped_storage().data_ptr())
+        if j is not None and o.dtype == tensors[j].dtype and o.device == tensors[j].device:
+            found[i] = (j, tuple(o.shape), o.stride(), o.storage_offset())
+    return found
 
 
 def _replace(tensors, wrt, diff):
@@ -288,7 +334,14 @@ def functional_call(
     if policy is not None and hasattr(policy, "plan_functorch"):
         policy = policy.plan_functorch(spec_run, inputs, captured)
     snap = RNGSnapshot(devices) if preserve_rng_state else None
-    for _ in range(10_000):
+    for attempt in range(_MAX_RETRIES + 1):
+        if attempt == _MAX_RETRIES:
+            raise RematError(
+                f"remat({name}): the forward kept reaching tensors that need a gradient but are "
+                f"neither arguments nor tensors it closes over ({_MAX_RETRIES} retries; the last "
+                f"was {describe(captured[-1])}). Fix: pass the tensors the function differentiates "
+                "as explicit arguments."
+            )
         spec = _Spec(spec_run, len(inputs), captured, name, debug, scan)
         if policy is not None:
             from ._captures import needs_grad
@@ -311,4 +364,9 @@ def functional_call(
     if snap is not None and snap.finish():
         spec.rng = snap
     scan.record_versions(inputs)
+    if spec.views:
+        every = (*inputs, *captured)
+        outs = list(outs)
+        for i, (j, size, stride, offset) in spec.views.items():
+            outs[i] = every[j].as_strided(size, stride, offset)
     return outs, spec.out_box[-1]

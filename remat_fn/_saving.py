@@ -31,6 +31,7 @@ __all__ = ["Record", "SaveMode", "saving", "decide", "checkpoint_name", "Offload
 
 _F = torch._C._functorch
 _local = threading.local()
+_no_torch_function = torch._C.DisableTorchFunction
 
 _SAVE = frozenset({CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE})
 _CPU_OFFLOAD = frozenset(
@@ -432,7 +433,12 @@ class SaveMode(TorchDispatchMode):
                     e.parts = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        # The bookkeeping below (detach, copies to the offload device) must not
+        # show up as the region's own ops in torch-function-level traces.
+        with _no_torch_function():
+            return self._dispatch(func, args, kwargs or {})
+
+    def _dispatch(self, func, args, kwargs):
         n = self.counts.get(func, 0)
         self.counts[func] = n + 1
         key = (func, n)
@@ -480,7 +486,8 @@ def checkpoint_name(x: Any, name: str) -> Any:
     if stack:
         mode = stack[-1]
         if not mode.recompute and mode.rec.policy is not None:
-            for t in optree.tree_leaves(x):
-                if isinstance(t, torch.Tensor):
-                    mode.rec.named(t, name)
+            with _no_torch_function():
+                for t in optree.tree_leaves(x):
+                    if isinstance(t, torch.Tensor):
+                        mode.rec.named(t, name)
     return x

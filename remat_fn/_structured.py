@@ -63,7 +63,9 @@ def _sequential(functions, segments, input, *, policy, preserve_rng_state):
     if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
         raise ValueError(f"segments must be a positive int, got {segments!r}")
     n = len(functions)
-    segments = min(segments, max(n, 1))
+    if n == 0:
+        return input  # torch's checkpoint_sequential of nothing is the identity too
+    segments = min(segments, n)
     size = n // segments
     end = -1
     # Same segmentation as torch.utils.checkpoint.checkpoint_sequential: all but
@@ -211,6 +213,47 @@ def _stack(ys: list):
     return optree.tree_unflatten(treedef, stacked)
 
 
+def _empty_ys(f, init, xs):
+    """The stacked outputs of a zero-length scan: like ``lax.scan``, ``f`` is traced
+    once (here on fake tensors: no compute, no RNG draw) for the shape of ``y``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ._captures import unwrap_all
+
+    def step_input(t):
+        return torch.empty(t.shape[1:], dtype=t.dtype, device=t.device) if isinstance(t, torch.Tensor) else t
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            carry = optree.tree_map(
+                lambda t: mode.from_tensor(unwrap_all(t)) if isinstance(t, torch.Tensor) else t,
+                init, none_is_leaf=True)
+            x = None if xs is None else optree.tree_map(step_input, xs, none_is_leaf=True)
+            _, y = f(carry, x)
+            # shapes only: fake tensors must not outlive their mode
+            meta = optree.tree_map(_EmptyLike, y, none_is_leaf=True)
+    except Exception:  # f cannot run on fake tensors (data-dependent shapes, ...)
+        return None
+    return optree.tree_map(lambda m: m.empty(), meta)
+
+
+class _EmptyLike:
+    """A step output's shape, dtype and device; ``empty()`` stacks zero of them."""
+
+    __slots__ = ("shape", "dtype", "device")
+
+    def __init__(self, y):
+        t = y if isinstance(y, torch.Tensor) else torch.as_tensor(y) if y is not None else None
+        self.shape = None if t is None else tuple(t.shape)
+        self.dtype = None if t is None else t.dtype
+        self.device = None if t is None else t.device
+
+    def empty(self):
+        if self.shape is None:
+            return None
+        return torch.empty((0, *self.shape), dtype=self.dtype, device=self.device)
+
+
 def remat_scan(
     f: Callable[[Any, Any], tuple[Any, Any]],
     init: Any,
@@ -255,7 +298,7 @@ def remat_scan(
     opts = dict(policy=policy)
     ys: list = []
     if n == 0:
-        return init, None
+        return init, _empty_ys(f, init, xs)
     if checkpoints == "all":
         step = remat(functools.partial(_step_region, f), **opts)
         carry = init

@@ -15,9 +15,11 @@ from typing import Any, TypeVar
 import optree
 import torch
 
+from ._captures import entered
 from ._errors import RematError
 from ._eager import eager_call
 from ._functional import functional_call
+from ._pytree import flatten_output
 from ._rng_state import devices_of
 
 __all__ = ["remat", "checkpoint"]
@@ -180,8 +182,9 @@ def _make(fun, *, policy, static_argnums, static_argnames, prevent_cse, preserve
             from ._compile import compiled_call
 
             return compiled_call(fun, args, kwargs, policy=policy, preserve_rng_state=preserve_rng_state)
-        return _call(fun, name, args, kwargs, static_argnums, static_argnames,
-                     preserve_rng_state, debug, pol)
+        with entered():
+            return _call(fun, name, args, kwargs, static_argnums, static_argnames,
+                         preserve_rng_state, debug, pol)
 
     return _finish(wrapper, fun, policy, static_argnums, static_argnames, prevent_cse,
                    preserve_rng_state, debug)
@@ -285,7 +288,7 @@ def _functorch_call(fun, name, args, kwargs, argnums, argnames, preserve_rng_sta
         if static_kwargs:
             kw = {**kw, **static_kwargs}
         out = fun(*a, **kw)
-        oleaves, odef = optree.tree_flatten(out, none_is_leaf=True)
+        oleaves, odef = flatten_output(out, name)
         opos = [i for i, x in enumerate(oleaves) if isinstance(x, torch.Tensor)]
         outs = tuple(oleaves[i] for i in opos)
         template = [None if isinstance(x, torch.Tensor) else x for x in oleaves]  # no tensor refs

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import optree
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -191,7 +193,11 @@ def test_scan_length_errors():
     with pytest.raises(ValueError):
         remat_scan(f, torch.ones(2), torch.ones(3, 2), checkpoints="log")
     c, ys = remat_scan(f, torch.ones(2), torch.ones(0, 2))
-    assert ys is None and torch.equal(c, torch.ones(2))
+    assert torch.equal(c, torch.ones(2))
+    # like lax.scan: zero stacked outputs shaped like one step's
+    _, ys1 = remat_scan(f, torch.ones(2), torch.ones(1, 2))
+    shapes = lambda ys, n: optree.tree_map(lambda t: ((n, *t.shape[1:]), t.dtype), ys)
+    assert shapes(ys, 0) == shapes(ys1, 0) and optree.tree_leaves(shapes(ys, 0))
 
 
 def _dp_evaluations(n, c, memo={}):
