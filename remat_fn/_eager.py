@@ -14,22 +14,25 @@ function on the real (non-detached) inputs, tensors the function closes over,
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any
 
 import optree
 import torch
 
+from ._autocast import AutocastState
 from ._captures import mutated_input, scan
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._rng_state import RNGSnapshot
-from ._saving import Record, forward_mode_active, saving
+from ._saving import Record, forward_mode_active, paused, saving
 
 __all__ = ["eager_call"]
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_NULL = contextlib.nullcontext()
 
 
 class _StopRecompute(Exception):
@@ -43,12 +46,46 @@ class _Handle:
         self.idx = idx
 
 
+class _Direct:
+    """A saved input kept as it is, with its version, checked like autograd does."""
+
+    __slots__ = ("t", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+        self.version = t._version
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self.t
+        if t._version != self.version:
+            raise MutatedSavedTensorError(
+                f"The tensor {_desc(t.shape, t.dtype, t.device)} that remat({name}) saved for "
+                f"backward (an argument or a parameter) was modified in place after the forward "
+                f"(version {self.version} -> {t._version}). Fix: clone it before modifying it "
+                "(x = x.clone()), or apply the in-place update (e.g. optimizer.step()) after "
+                "the backward pass."
+            )
+        return t
+
+
+def _DEAD():  # the weakref of a saved tensor that needs no recomputation
+    return None
+
+
+def _ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # pragma: no cover - storage-less subclasses
+        return -1
+
+
 class _Frame:
     """One forward call of one region."""
 
     __slots__ = (
         "fun", "args", "kwargs", "name", "rng", "meta", "handles", "recomputed",
-        "debug", "fwd_trace", "scan", "stash", "rec",
+        "debug", "fwd_trace", "scan", "stash", "rec", "autocast", "in_forward", "strict",
+        "input_ids", "outer", "nhandles", "saved_ptrs", "inner_backward",
     )
 
     def __init__(self, fun, args, kwargs, name, debug):
@@ -61,6 +98,7 @@ class _Frame:
         self.handles: list[weakref.ref] = []
         self.recomputed: dict[int, torch.Tensor] = {}
         self.debug = debug
+        self.strict = debug  # run recomputations whole and check them completely
         self.fwd_trace: list[str] | None = None
         self.scan = None
         # When saved-tensor hooks are already active (an enclosing remat region,
@@ -69,6 +107,16 @@ class _Frame:
         # can then drop and recompute them, save_on_cpu moves them, and so on.
         self.stash = None
         self.rec = None  # remat_fn._saving.Record when a policy is in force
+        self.autocast = AutocastState()  # re-entered by the recomputation
+        # True while the forward runs: a backward *inside* the region (the
+        # function calls torch.autograd.grad) unpacks handles of a forward
+        # that has not finished; those are recomputed one at a time.
+        self.in_forward = True
+        self.inner_backward = False  # set once a backward ran inside the forward
+        self.input_ids: set[int] = set()  # ids of the region's tensor arguments
+        self.outer = None  # the enclosing saved-tensor hooks, if any
+        self.nhandles = 0  # saved tensors that need recomputation
+        self.saved_ptrs: dict[int, int] = {}  # storage -> bytes of what autograd saved
 
     def stash_inputs(self, hooks) -> None:
         pack, unpack = hooks
@@ -91,28 +139,51 @@ class _Frame:
         return optree.tree_unflatten(spec, leaves)
 
     # -- forward -------------------------------------------------------------
-    def pack(self, t: torch.Tensor) -> _Handle:
-        h = _Handle(len(self.meta))
+    def pack(self, t: torch.Tensor) -> Any:
         self.meta.append((t.shape, t.dtype, t.device, t._version))
+        if self.outer is None and (id(t) in self.input_ids or (t.is_leaf and t.requires_grad)):
+            # An input or a parameter is alive anyway: keep it as plain autograd
+            # does, so a backward that needs only such tensors recomputes
+            # nothing.  (Under enclosing hooks the region's inputs are stored
+            # through them and come back with the recomputation, as before.)
+            self.handles.append(_DEAD)
+            return _Direct(t)
+        h = _Handle(len(self.meta) - 1)
         self.handles.append(weakref.ref(h))
+        self.nhandles += 1
+        if self.rec is not None:
+            self.saved_ptrs[_ptr(t)] = t.untyped_storage().nbytes()
         return h
 
-    def unpack(self, h: _Handle) -> torch.Tensor:
+    def unpack(self, h: Any) -> torch.Tensor:
+        if type(h) is _Direct:
+            return h.get(self.name)
+
         t = self.recomputed.pop(h.idx, None)
         if t is None:
-            self.recompute()
+            if self.in_forward:
+                self.inner_backward = True
+            self.recompute(h.idx if self.in_forward else None)
             t = self.recomputed.pop(h.idx)
         return t
 
     # -- backward ------------------------------------------------------------
-    def recompute(self) -> None:
-        self.scan.check_versions(self.name)
+    def recompute(self, target: int | None = None) -> None:
+        """Rebuild every still-needed saved tensor (or only ``target``, for a
+        backward that runs inside the forward) by running the region again."""
+        if self.scan is not None:
+            self.scan.check_versions(self.name)
         handles = self.handles
         recomputed = self.recomputed
-        needed = [i for i, w in enumerate(handles) if i not in recomputed and w() is not None]
+        if target is not None:
+            needed = [target]
+        else:
+            needed = [i for i, w in enumerate(handles) if i not in recomputed and w() is not None]
         if not needed:  # pragma: no cover - unpack only happens for live handles
             return
         last = needed[-1]
+        early = target is not None or not self.strict
+        inner = self.inner_backward
         meta = self.meta
         counter = [0]
         arg_ids: set[int] | None = None
@@ -148,21 +219,30 @@ class _Frame:
                         f"went from {version} to {t._version}). Fix: clone it before modifying it "
                         "(x = x.clone()), or apply the in-place update after the backward pass."
                     )
-            if handles[i]() is not None:
+            if (i == target if target is not None else handles[i]() is not None):
                 recomputed[i] = t
-            if i == last:
+            if i == last and early:
                 raise _StopRecompute
-            return None
+            # A backward inside the region unpacks during the recomputation too;
+            # otherwise hold nothing, so unneeded tensors are freed at once.
+            return t if inner else None
 
-        def runpack(_):  # pragma: no cover - nothing unpacks during recompute
-            raise RematError("internal: a tensor was unpacked during recomputation")
+        def runpack(t):
+            if t is None:  # pragma: no cover - inner is set whenever this can happen
+                raise RematError("internal: a tensor was unpacked during recomputation")
+            return t
 
         trace = None
         rng = self.rng
         args, kwargs = self.inputs()
+        # Inside the forward the policy's record is incomplete: recompute
+        # everything, and keep the forward's own policy mode out of it.
+        rec = None if self.in_forward else self.rec
+        relocated = self.scan.relocated() if self.scan is not None else _NULL
         _push_hooks(rpack, runpack)
         try:
-            with torch.enable_grad(), self.scan.relocated(), saving(self.rec, recompute=True):
+            with torch.enable_grad(), self.autocast, relocated, saving(rec, recompute=True), \
+                    paused(self.rec if self.in_forward else None):
                 if rng is not None:
                     rng.__enter__()
                 try:
@@ -180,11 +260,15 @@ class _Frame:
                         rng.__exit__(None, None, None)
         finally:
             _pop_hooks()
-        if counter[0] <= last:
+        if counter[0] <= last or (not early and counter[0] != len(meta)):
             self._mismatch(
-                f"only {counter[0]} tensors were saved on recompute but the forward saved "
+                f"{counter[0]} tensors were saved on recompute but the forward saved "
                 f"{len(meta)}", trace,
             )
+        if trace is not None and not early and self.fwd_trace is not None:
+            ops = [op.split()[0] for op in trace.ops]
+            if ops != [op.split()[0] for op in self.fwd_trace]:
+                self._mismatch("the recomputation ran a different sequence of ops", trace)
 
     def _mismatch(self, what: str, trace=None):
         msg = (
@@ -209,13 +293,20 @@ def _desc(shape, dtype, device) -> str:
 
 
 def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bool,
-               devices: list[torch.device], policy=None) -> Any:
-    """Run ``fun`` so that its saved tensors are recomputed in backward."""
+               devices: list[torch.device], policy=None, strict: bool = False) -> Any:
+    """Run ``fun`` so that its saved tensors are recomputed in backward.
+
+    ``strict``: recomputations run whole (no early stop) and must save exactly
+    the forward's tensors (``debug`` implies it and also compares op traces)."""
     frame = _Frame(fun, args, kwargs, name, debug)
+    frame.strict = strict or debug
     outer = _top_hooks(False)
-    leaves = optree.tree_leaves((args, kwargs)) if kwargs else optree.tree_leaves(args)
+    frame.outer = outer
+    leaves = optree.tree_leaves((args, kwargs), none_is_leaf=True)
     in_versions = [(x, x._version) for x in leaves if isinstance(x, torch.Tensor)]
+    frame.input_ids = {id(x) for x, _ in in_versions}
     snap = RNGSnapshot(devices) if preserve_rng_state else None
+    frame.rng = snap  # provisional: a backward inside the forward may recompute
     if policy is not None and not forward_mode_active():
         frame.rec = Record(policy)
     _push_hooks(frame.pack, frame.unpack)
@@ -231,7 +322,10 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
                 out = fun(*args, **kwargs)
     finally:
         _pop_hooks()
-    if frame.meta:
+        frame.in_forward = False
+        frame.rng = None
+        frame.recomputed.clear()
+    if frame.nhandles:
         for x, v in in_versions:
             if x._version != v:
                 raise mutated_input(name, x)
@@ -247,6 +341,8 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
             frame.scan.record_versions([x for x, _ in in_versions])
         if frame.rec is not None:
             frame.rec.producer = {}
+            # keep no more than plain autograd would (see Record.prune)
+            frame.rec.prune(frame.saved_ptrs)
             from ._residuals import residual_sink
 
             sink = residual_sink()
@@ -254,9 +350,13 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
                 for key, _, t, kind, nm in frame.rec.kept():
                     sink.append((t, kind, nm, f"aten.{key[0].overloadpacket.__name__}"))
             if outer is not None and frame.rec.entries:
-                frame.rec.stash_through(outer)
+                frame.rec.stash_through(outer)  # the enclosing hooks check versions
+            else:
+                frame.rec.seal(optree.tree_leaves(out))
     else:
         frame.rec = None  # nothing will be recomputed: keep nothing
+        frame.args = frame.kwargs = None
+    frame.saved_ptrs = None
     if snap is not None and snap.finish():
         frame.rng = snap
     return out

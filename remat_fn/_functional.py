@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from ._autocast import AutocastState
 from ._captures import CaptureMode, MissedCapture, OpTrace, describe, needs_grad
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._rng_state import RNGSnapshot
@@ -36,6 +37,7 @@ __all__ = ["functional_call"]
 
 _F = torch._C._functorch
 _GRAD_KEYS = (_F.TransformType.Grad,)
+_NULL = contextlib.nullcontext()
 # Each retry threads one more tensor closed over; real functions close over a
 # bounded number of them, so a long run of retries means a bug, not a model.
 _MAX_RETRIES = 256
@@ -45,7 +47,7 @@ class _Spec:
     """Everything the Function needs that is not a tensor input."""
 
     __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "scan",
-                 "fwd_hits", "rec", "needs", "trace", "views")
+                 "fwd_hits", "rec", "needs", "trace", "views", "autocast")
 
     def __init__(self, run, n_in, captured, name, debug, scan):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -62,6 +64,7 @@ class _Spec:
         self.needs: list[bool] = []  # which tensor inputs need a gradient
         self.trace = OpTrace(where=debug)  # the forward's tensor ops, checked on recompute
         self.views: dict[int, tuple] = {}  # output index -> (input index, size, stride, offset)
+        self.autocast = AutocastState()  # re-entered by the recomputation
 
     def call(self, tensors, known: set[int] | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
@@ -139,6 +142,7 @@ class _RematFunction(torch.autograd.Function):
                 outs, rebuild = spec.call(tensors, known)
         if spec.rec is not None:
             spec.rec.producer = {}
+            spec.rec.seal(outs)
         spec.views = _input_views(outs, tensors)
         inputs = set(id(t) for t in tensors)
         # An output that *is* an input would be aliased by autograd; return a view.
@@ -180,7 +184,7 @@ class _RematFunction(torch.autograd.Function):
         )
 
         f = _recompute_fn(spec, tensors, wrt, out_diff)
-        with torch.no_grad() if detach else contextlib.nullcontext(), spec.rng or contextlib.nullcontext():
+        with torch.no_grad() if detach else contextlib.nullcontext(), spec.rng or _NULL, spec.autocast:
             with saving(spec.rec, recompute=True):
                 _, vjp_fn = torch.func.vjp(f, *[tensors[i] for i in wrt])
             gin = vjp_fn(cot)
@@ -196,7 +200,7 @@ class _RematFunction(torch.autograd.Function):
         out_diff = ctx.out_diff
 
         f = _recompute_fn(spec, tensors, wrt, out_diff)
-        with spec.rng or contextlib.nullcontext():  # forward mode: recompute everything
+        with spec.rng or _NULL, spec.autocast:  # forward mode: recompute everything
             _, touts = torch.func.jvp(f, tuple(tensors[i] for i in wrt), tuple(tangents[i] for i in wrt))
         it = iter(touts)
         return tuple(next(it) if d else None for d in out_diff)

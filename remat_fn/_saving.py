@@ -23,11 +23,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ._captures import unwrap_all as _base
-from ._errors import PolicyError, RecomputeMismatchError
+from ._captures import describe, unwrap_all as _base
+from ._errors import MutatedSavedTensorError, PolicyError, RecomputeMismatchError
 from .policies import NAMED, Offload
 
-__all__ = ["Record", "SaveMode", "saving", "decide", "checkpoint_name", "Offloader", "normalize_policy"]
+__all__ = ["Record", "SaveMode", "saving", "paused", "decide", "checkpoint_name", "Offloader", "normalize_policy"]
 
 _F = torch._C._functorch
 _local = threading.local()
@@ -41,12 +41,16 @@ _CPU_OFFLOAD = frozenset(
 
 
 class PolicyContext:
-    """What a policy sees as ``ctx`` (compatible with torch's SelectiveCheckpointContext)."""
+    """What a policy sees as ``ctx``: every attribute of torch's
+    ``SelectiveCheckpointContext`` (``is_recompute``, always ``False`` since
+    policies are only asked during the forward, and ``op_output``, the op's
+    output) plus ``key`` (``(op, n-th call)``) and ``name`` (for named values)."""
 
-    __slots__ = ("is_recompute", "key", "name")
+    __slots__ = ("is_recompute", "op_output", "key", "name")
 
     def __init__(self):
         self.is_recompute = False
+        self.op_output = None
         self.key = None
         self.name = None
 
@@ -235,6 +239,9 @@ class Record:
         self.ctx = PolicyContext()
         self.seq: list = []  # every op of the forward, in order
         self.stash = None  # (packed entries, unpack) when stored through outer hooks
+        self.paused = 0  # > 0 while a recomputation runs inside the forward
+        self.versions: list = []  # (kept tensor, version after the forward)
+        self.used: set[int] = set()  # storages read by the forward's ops (see prune)
 
     # -- forward -------------------------------------------------------------
     def before_mutation(self, func, args, kwargs) -> None:
@@ -275,7 +282,11 @@ class Record:
         ctx = self.ctx
         ctx.key = key
         ctx.name = None
-        d = decide(self.policy, ctx, func, args, kwargs)
+        ctx.op_output = out
+        try:
+            d = decide(self.policy, ctx, func, args, kwargs)
+        finally:
+            ctx.op_output = None  # hold no reference past the decision
         if d == "save":
             e = self.entries.setdefault(key, _Entry(_meta(args)))
             e.out = _kept(out)
@@ -301,7 +312,11 @@ class Record:
         ctx = self.ctx
         ctx.key = None
         ctx.name = name
-        d = decide(self.policy, ctx, NAMED, (t,), {"name": name})
+        ctx.op_output = t
+        try:
+            d = decide(self.policy, ctx, NAMED, (t,), {"name": name})
+        finally:
+            ctx.op_output = None
         where = self.producer.get(id(base))
         if where is None:
             return  # an input of the region (always kept) or not made by an op
@@ -363,7 +378,73 @@ class Record:
             for i, h in e.offloaded.items():
                 yield key, i, h[0], "offloaded", e.name
 
+    def prune(self, saved: dict[int, int]) -> None:
+        """Keep no more bytes than plain autograd would have saved.
+
+        ``saved`` maps the storages autograd saved in the forward (inputs and
+        parameters aside) to their bytes.  Kept values autograd saved stay.  A
+        kept value autograd did not save stays only if a later op of the region
+        used it (so the recomputation can start from it) and it fits in what is
+        left of autograd's bytes; the rest is dropped and recomputed.
+        """
+        budget = sum(saved.values())
+        spare = []
+        for key, e in list(self.entries.items()):
+            if e.out is not None:
+                leaves = [t for t in (e.out if type(e.out) in (tuple, list) else (e.out,))
+                          if isinstance(t, torch.Tensor)]
+                if any(_ptr(t) in saved for t in leaves):
+                    budget -= sum(_nbytes(t) for t in leaves if _ptr(t) not in saved)
+                    continue
+                if any(_ptr(t) in self.used for t in leaves):
+                    spare.append((key, None, leaves, e.out))
+                e.out = None
+            for i in [i for i, t in e.parts.items() if _ptr(t) not in saved]:
+                t = e.parts.pop(i)
+                if _ptr(t) in self.used:
+                    spare.append((key, i, [t], None))
+        budget -= sum(_nbytes(t) for e in self.entries.values() for t in e.parts.values())
+        budget -= sum(_nbytes(t) for e in self.entries.values() if e.out is not None
+                      for t in optree.tree_leaves(e.out) if _ptr(t) in saved)
+        for key, i, leaves, out in spare:  # in forward order: the earliest ones help most
+            n = sum(_nbytes(t) for t in leaves)
+            if n > budget:
+                continue
+            budget -= n
+            if i is None:
+                self.entries[key].out = out
+            else:
+                self.entries[key].parts[i] = leaves[0]
+        for key in [k for k, e in self.entries.items() if e.out is None and not e.parts and not e.offloaded]:
+            del self.entries[key]
+        self.used = set()
+
+    def seal(self, outputs) -> None:
+        """After the forward: remember the versions of the region's outputs whose
+        memory a kept value shares.  (The tensors a dispatch mode sees do not share
+        version counters with the ones autograd hands out, so the check goes
+        through the outputs, the only tensors of the region a caller can modify.)"""
+        kept = {_ptr(t) for _, _, t, kind, _ in self.kept() if kind == "saved"}
+        kept.discard(None)
+        if not kept:
+            return
+        for o in outputs:
+            if isinstance(o, torch.Tensor):
+                b = _base(o)
+                if _ptr(b) in kept:
+                    self.versions.append((b, b._version))
+
     # -- recompute -------------------------------------------------------------
+    def check_versions(self) -> None:
+        for t, v in self.versions:
+            if t._version != v:
+                raise MutatedSavedTensorError(
+                    f"A value {describe(t)} saved by the remat policy was modified in place "
+                    f"after the forward (version {v} -> {t._version}), so backward would use "
+                    "the modified value. Fix: clone the region's output before modifying it "
+                    "(y = y.clone()), or apply the in-place update after the backward pass."
+                )
+
     def prefetch(self) -> None:
         for e in self.entries.values():
             for h in e.offloaded.values():
@@ -394,6 +475,20 @@ class Record:
         return type(out)(leaves) if multi else leaves[0]
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def _ptr(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # wrappers without storage
+        return None
+
+
 def _single_output(func) -> bool:
     rets = func._schema.returns
     return len(rets) == 1 and str(rets[0].type) == "Tensor"
@@ -418,6 +513,7 @@ class SaveMode(TorchDispatchMode):
             stack = _local.stack = []
         stack.append(self)
         if self.recompute:
+            self.rec.check_versions()
             self.rec.unstash()
             self.rec.prefetch()
         return super().__enter__()
@@ -439,6 +535,8 @@ class SaveMode(TorchDispatchMode):
             return self._dispatch(func, args, kwargs or {})
 
     def _dispatch(self, func, args, kwargs):
+        if self.rec.paused and not self.recompute:
+            return func(*args, **kwargs)
         n = self.counts.get(func, 0)
         self.counts[func] = n + 1
         key = (func, n)
@@ -455,11 +553,33 @@ class SaveMode(TorchDispatchMode):
                 return func(*args, **kwargs)
             return self.rec.replay(func, key, args, kwargs)
         self.rec.seq.append(func)
+        if self.rec.entries:
+            used = self.rec.used
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    used.add(_ptr(a))
+                elif type(a) in (list, tuple):  # cat, stack, ...
+                    used.update(_ptr(x) for x in a if isinstance(x, torch.Tensor))
         if self.rec.entries and func._schema.is_mutable:
             self.rec.before_mutation(func, args, kwargs)
         out = func(*args, **kwargs)
         self.rec.after_op(func, key, args, kwargs, out)
         return out
+
+
+@contextlib.contextmanager
+def _paused(rec: Record):
+    rec.paused += 1
+    try:
+        yield
+    finally:
+        rec.paused -= 1
+
+
+def paused(rec: Record | None):
+    """While active, the forward's mode of ``rec`` lets ops through untouched (a
+    recomputation running inside the forward, for a backward inside the region)."""
+    return contextlib.nullcontext() if rec is None else _paused(rec)
 
 
 def saving(rec: Record | None, recompute: bool):

@@ -16,6 +16,7 @@ import optree
 import torch
 
 from ._captures import entered
+from ._debug import checks
 from ._errors import RematError
 from ._eager import eager_call
 from ._functional import functional_call
@@ -225,6 +226,7 @@ def _forward_mode_only_or_nested(stack) -> bool:
 
 
 def _call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug, pol):
+    debug, strict = checks(debug)
     if torch._C._are_functorch_transforms_active():
         if _forward_mode_only_or_nested(_F.get_interpreter_stack()):
             return fun(*args, **kwargs)
@@ -239,7 +241,7 @@ def _call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug,
         return _functorch_call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug, pol)
     devices = _devices(args, kwargs) if (preserve_rng_state and _has_accelerator()) else []
     policy = pol.plan_eager(fun, args, kwargs) if isinstance(pol, _Budgeted) else pol
-    return eager_call(fun, args, kwargs, name, preserve_rng_state, debug, devices, policy)
+    return eager_call(fun, args, kwargs, name, preserve_rng_state, debug, devices, policy, strict)
 
 
 def _devices(args, kwargs):

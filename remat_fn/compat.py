@@ -24,11 +24,17 @@ Differences from torch, all deliberate:
   else raises ``ValueError`` as in torch).  remat_fn always checks the number,
   shapes, dtypes and devices of recomputed tensors: the check is free, and a
   recomputation that differs could only produce wrong gradients.
-* ``early_stop``: accepted.  In eager mode remat_fn always stops recomputing
-  once the last needed tensor is rebuilt (results do not depend on it);
-  under ``torch.func`` the region is recomputed whole.
-* ``debug=True`` (or ``torch.utils.checkpoint.set_checkpoint_debug_enabled``)
-  turns on remat_fn's op traces in :class:`remat_fn.RecomputeMismatchError`.
+* ``early_stop`` (or ``torch.utils.checkpoint.set_checkpoint_early_stop``):
+  ``True`` (the default) stops a recomputation once the last needed tensor is
+  rebuilt; ``False`` runs it whole and raises
+  :class:`remat_fn.RecomputeMismatchError` if it saved more, fewer or
+  different tensors than the forward.  Under ``torch.func`` the region is
+  always recomputed whole and checked op by op.
+* ``debug=True`` (or ``torch.utils.checkpoint.set_checkpoint_debug_enabled``,
+  or :func:`remat_fn.set_debug_enabled`) records op traces with user source
+  lines, runs recomputations whole, and raises
+  :class:`remat_fn.RecomputeMismatchError`, showing both traces, when the
+  recomputation runs a different op sequence.
 * Under ``torch.compile`` both functions call ``torch.utils.checkpoint``
   itself, so the compiler sees the usual ``tag_activation_checkpoint`` region
   (inside a transform traced by the compiler, e.g. ``torch.compile(grad(f))``,
@@ -38,8 +44,11 @@ Differences from torch, all deliberate:
 from __future__ import annotations
 
 import functools
+
 import torch
 import torch.utils.checkpoint as _tc
+
+from ._debug import early_stop as _early_stop
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
 
@@ -149,11 +158,16 @@ def checkpoint(
     policy, contexts = _policy_of(context_fn)
     if contexts is not None:
         function = functools.partial(_run_in_contexts, contexts, function)
+    global_early_stop = getattr(_tc, "_enable_checkpoint_early_stop", None)
+    if global_early_stop is not None:
+        early_stop = global_early_stop
     from ._transform import remat
 
-    return remat(function, policy=policy, preserve_rng_state=preserve_rng_state, debug=bool(debug))(
-        *args, **kwargs
-    )
+    region = remat(function, policy=policy, preserve_rng_state=preserve_rng_state, debug=bool(debug))
+    if early_stop:
+        return region(*args, **kwargs)
+    with _early_stop(False):
+        return region(*args, **kwargs)
 
 
 def checkpoint_sequential(functions, segments, input, use_reentrant: bool | None = None, **kwargs):

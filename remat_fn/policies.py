@@ -93,6 +93,25 @@ DOT_OPS = _packets(
 )
 #: matmul-like ops whose operands have no batch dimension.
 DOT_OPS_NO_BATCH = _packets("mm", "addmm", "dot", "vdot", "mv", "addmv")
+_BATCHED_DOTS = _packets("bmm", "baddbmm")
+_BADDBMM = torch.ops.aten.baddbmm
+
+
+def _dot_without_batch_dims(op: Any, args: tuple) -> bool:
+    """A matmul whose contraction has no batch dimension.
+
+    ``torch.einsum("ij,jk->ik", a, b)`` (and other contractions torch lowers
+    that way) runs as ``aten.bmm`` over a batch of one: classified by the
+    contraction written, as ``jax.checkpoint_policies`` classifies
+    ``dot_general``, it has no batch dimension.
+    """
+    p = _packet(op)
+    if p in DOT_OPS_NO_BATCH:
+        return True
+    if p in _BATCHED_DOTS:
+        a = args[1] if p is _BADDBMM and len(args) > 1 else (args[0] if args else None)
+        return isinstance(a, torch.Tensor) and a.dim() == 3 and a.shape[0] == 1
+    return False
 
 
 def _packet(op: Any):
@@ -157,8 +176,9 @@ checkpoint_dots = dots_saveable
 
 
 def dots_with_no_batch_dims_saveable(ctx, op, *args, **kwargs) -> bool:
-    """Save the outputs of matmuls without batch dimensions (mm, addmm, mv, dot)."""
-    return not _is_named(op) and _packet(op) in DOT_OPS_NO_BATCH
+    """Save the outputs of matmuls without batch dimensions (mm, addmm, mv, dot, and
+    ``einsum("ij,jk->ik")``, which torch runs as a ``bmm`` over a batch of one)."""
+    return not _is_named(op) and _dot_without_batch_dims(op, args)
 
 
 checkpoint_dots_with_no_batch_dims = dots_with_no_batch_dims_saveable
@@ -292,7 +312,7 @@ class offload_dot_with_no_batch_dims:
         Offload(self.offload_dst, self.offload_src)
 
     def __call__(self, ctx, op, *args, **kwargs):
-        if not _is_named(op) and _packet(op) in DOT_OPS_NO_BATCH:
+        if not _is_named(op) and _dot_without_batch_dims(op, args):
             return Offload(self.offload_dst, self.offload_src)
         return False
 
