@@ -1,4 +1,5 @@
-"""The autocast state a region ran under, re-entered for its recomputation.
+"""The autocast state (and default device) a region ran under, re-entered for
+its recomputation.
 
 Like ``torch.utils.checkpoint`` (``_get_autocast_kwargs``), a region records,
 at forward, whether autocast is enabled, its dtype for every device type that
@@ -10,7 +11,10 @@ in float32.
 
 The state is set with torch's own setters, as ``torch.autocast.__enter__``
 does, so the same code path serves every device type; on a machine without
-CUDA the CUDA flags are still recorded and restored.
+CUDA the CUDA flags are still recorded and restored.  The default device of a
+``with torch.device(...)`` block is recorded and re-entered the same way, so
+tensors the function creates without a device land where they did in the
+forward.
 """
 
 from __future__ import annotations
@@ -37,20 +41,21 @@ _TYPES = _device_types()
 class AutocastState:
     """A snapshot of the autocast flags; ``with state:`` runs under it."""
 
-    __slots__ = ("flags", "cache", "_saved")
+    __slots__ = ("flags", "cache", "device", "_saved")
 
     def __init__(self) -> None:
         self.flags = tuple(
             (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in _TYPES
         )
         self.cache = torch.is_autocast_cache_enabled()
-        self._saved: list[AutocastState] = []
+        self.device = torch.get_default_device()
+        self._saved: list = []
 
     @property
     def enabled(self) -> bool:
         return any(e for _, e, _ in self.flags)
 
-    def same(self, other: AutocastState) -> bool:
+    def _autocast_same(self, other: AutocastState) -> bool:
         return self.flags == other.flags and self.cache == other.cache
 
     def _set(self) -> None:
@@ -61,16 +66,20 @@ class AutocastState:
 
     def __enter__(self) -> AutocastState:
         now = AutocastState()
-        if now.same(self):
-            self._saved.append(None)  # type: ignore[arg-type]
-            return self
-        self._saved.append(now)
-        torch.autocast_increment_nesting()
-        self._set()
+        autocast = not self._autocast_same(now)
+        device = torch.device(self.device) if self.device != now.device else None
+        if autocast:
+            torch.autocast_increment_nesting()
+            self._set()
+        if device is not None:
+            device.__enter__()
+        self._saved.append((now if autocast else None, device))
         return self
 
     def __exit__(self, *exc) -> None:
-        now = self._saved.pop()
+        now, device = self._saved.pop()
+        if device is not None:
+            device.__exit__(*exc)
         if now is None:
             return
         now._set()

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import RecomputeMismatchError, RematError
 from ._format import user_frame
@@ -368,8 +369,14 @@ class CaptureMode(TorchFunctionMode):
     """
 
     def __init__(self, subst: dict[int, torch.Tensor], known: set[int] | None,
-                 trace: OpTrace | None = None, name: str = "fn"):
+                 trace: OpTrace | None = None, name: str = "fn",
+                 produced: set[int] | None = None):
         super().__init__()
+        # Storages of the tensors the region's own aten ops made (recorded, on a
+        # retry, by a dispatch mode below every functorch level): a tensor whose
+        # storage is among them was made inside, not closed over.
+        self.produced = produced
+        self._recorder = _Produced(produced) if produced is not None else None
         self.subst = subst
         self.known = known
         self.hits: set[int] = set()
@@ -386,7 +393,8 @@ class CaptureMode(TorchFunctionMode):
                 self.hits.add(id(x))
                 return r
             known = self.known
-            if known is not None and id(x) not in known and needs_grad(x) and not self._inner(x):
+            if (known is not None and id(x) not in known and needs_grad(x)
+                    and not self._inner(x) and not self._made_inside(x)):
                 raise MissedCapture(x)
             return x
         tx = type(x)
@@ -409,6 +417,29 @@ class CaptureMode(TorchFunctionMode):
                 return True
         return False
 
+    def _made_inside(self, x: torch.Tensor) -> bool:
+        if self.produced is None:
+            return False
+        try:
+            made = unwrap_all(x).untyped_storage().data_ptr() in self.produced
+        except (RuntimeError, NotImplementedError):
+            return False
+        if made:
+            self.known.add(id(x))
+        return made
+
+    def __enter__(self):
+        if self._recorder is not None:
+            self._recorder.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self._recorder is not None:
+                self._recorder.__exit__(*exc)
+
     def _note(self, out: Any) -> None:
         if isinstance(out, torch.Tensor):
             self.known.add(id(out))
@@ -427,6 +458,25 @@ class CaptureMode(TorchFunctionMode):
             self._note(out)
         if self.trace is not None and region_depth() == self.depth:
             self.trace.step(func, out, self.known is None, self.name)
+        return out
+
+
+class _Produced(TorchDispatchMode):
+    """Records the storages that non-view aten ops produce (see CaptureMode)."""
+
+    def __init__(self, produced: set[int]):
+        super().__init__()
+        self.produced = produced
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor):
+                    try:
+                        self.produced.add(t.untyped_storage().data_ptr())
+                    except (RuntimeError, NotImplementedError):
+                        pass
         return out
 
 

@@ -27,7 +27,7 @@ from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._rng_state import RNGSnapshot
 from ._saving import Record, forward_mode_active, paused, saving
 
-__all__ = ["eager_call"]
+__all__ = ["eager_call", "NeedsFunctionPath"]
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
@@ -37,6 +37,13 @@ _NULL = contextlib.nullcontext()
 
 class _StopRecompute(Exception):
     pass
+
+
+class NeedsFunctionPath(Exception):
+    """Internal: the region calls a torch.func transform; run it without hooks."""
+
+
+_HOOKS_REFUSED = "don't yet support saved tensor hooks"
 
 
 class _Handle:
@@ -60,7 +67,8 @@ class _Direct:
         if t._version != self.version:
             raise MutatedSavedTensorError(
                 f"The tensor {_desc(t.shape, t.dtype, t.device)} that remat({name}) saved for "
-                f"backward (an argument or a parameter) was modified in place after the forward "
+                f"backward (an argument, a parameter or a value the policy saves) was modified in "
+                f"place after the forward "
                 f"(version {self.version} -> {t._version}). Fix: clone it before modifying it "
                 "(x = x.clone()), or apply the in-place update (e.g. optimizer.step()) after "
                 "the backward pass."
@@ -116,7 +124,7 @@ class _Frame:
         self.input_ids: set[int] = set()  # ids of the region's tensor arguments
         self.outer = None  # the enclosing saved-tensor hooks, if any
         self.nhandles = 0  # saved tensors that need recomputation
-        self.saved_ptrs: dict[int, int] = {}  # storage -> bytes of what autograd saved
+        self.saved_ptrs: set[int] = set()  # storages autograd saved (see Record.prune)
 
     def stash_inputs(self, hooks) -> None:
         pack, unpack = hooks
@@ -141,6 +149,15 @@ class _Frame:
     # -- forward -------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
         self.meta.append((t.shape, t.dtype, t.device, t._version))
+        rec = self.rec
+        if rec is not None:
+            ptr = _ptr(t)
+            self.saved_ptrs.add(ptr)
+            if self.outer is None and ptr in rec.kept_ptrs:
+                # the policy keeps it anyway: autograd holds it as is, so backward
+                # needs no recomputation for it (and keeps no extra copy)
+                self.handles.append(_DEAD)
+                return _Direct(t)
         if self.outer is None and (id(t) in self.input_ids or (t.is_leaf and t.requires_grad)):
             # An input or a parameter is alive anyway: keep it as plain autograd
             # does, so a backward that needs only such tensors recomputes
@@ -151,8 +168,6 @@ class _Frame:
         h = _Handle(len(self.meta) - 1)
         self.handles.append(weakref.ref(h))
         self.nhandles += 1
-        if self.rec is not None:
-            self.saved_ptrs[_ptr(t)] = t.untyped_storage().nbytes()
         return h
 
     def unpack(self, h: Any) -> torch.Tensor:
@@ -320,6 +335,14 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
                 frame.fwd_trace = tr.ops
             else:
                 out = fun(*args, **kwargs)
+    except RuntimeError as e:
+        if _HOOKS_REFUSED not in str(e):
+            raise
+        # The function runs a torch.func transform, which refuses saved-tensor
+        # hooks: the caller reruns the region on the hook-free path.
+        if snap is not None:
+            snap.restore_now()
+        raise NeedsFunctionPath() from None
     finally:
         _pop_hooks()
         frame.in_forward = False

@@ -47,7 +47,7 @@ class _Spec:
     """Everything the Function needs that is not a tensor input."""
 
     __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "scan",
-                 "fwd_hits", "rec", "needs", "trace", "views", "autocast")
+                 "fwd_hits", "rec", "needs", "trace", "views", "autocast", "produced")
 
     def __init__(self, run, n_in, captured, name, debug, scan):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -65,6 +65,7 @@ class _Spec:
         self.trace = OpTrace(where=debug)  # the forward's tensor ops, checked on recompute
         self.views: dict[int, tuple] = {}  # output index -> (input index, size, stride, offset)
         self.autocast = AutocastState()  # re-entered by the recomputation
+        self.produced: set[int] | None = None  # see CaptureMode
 
     def call(self, tensors, known: set[int] | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
@@ -79,7 +80,7 @@ class _Spec:
         recompute = known is None
         if recompute:
             self.trace.rewind()
-        mode = CaptureMode(subst, known, self.trace, self.name)
+        mode = CaptureMode(subst, known, self.trace, self.name, None if recompute else self.produced)
         with mode:
             outs, rebuild = self.run(list(tensors[:n]))
         # A captured tensor returned as is never went through an op.
@@ -338,6 +339,7 @@ def functional_call(
     if policy is not None and hasattr(policy, "plan_functorch"):
         policy = policy.plan_functorch(spec_run, inputs, captured)
     snap = RNGSnapshot(devices) if preserve_rng_state else None
+    produced = None  # storages made inside the region (recorded on retries only)
     for attempt in range(_MAX_RETRIES + 1):
         if attempt == _MAX_RETRIES:
             raise RematError(
@@ -347,13 +349,21 @@ def functional_call(
                 "as explicit arguments."
             )
         spec = _Spec(spec_run, len(inputs), captured, name, debug, scan)
+        spec.produced = produced
         if policy is not None:
-            from ._captures import needs_grad
             spec.rec = Record(policy)
             spec.needs = [needs_grad(t) and _is_diff(t) for t in (*inputs, *captured)]
         try:
             outs = _RematFunction.apply(spec, *inputs, *captured)
         except MissedCapture as e:
+            if snap is not None:
+                snap.restore_now()
+            if produced is None:
+                # The tensor may have been made inside the region where no torch
+                # function sees it (by autograd in a torch.func.grad the function
+                # calls): run again, recording what the region's ops produce.
+                produced = set()
+                continue
             t = e.tensor
             if any(t is c for c in captured):  # pragma: no cover - defensive
                 raise RematError(
@@ -361,8 +371,7 @@ def functional_call(
                     "through the torch.func path. Fix: pass it as an explicit argument."
                 ) from None
             captured = [*captured, t]
-            if snap is not None:
-                snap.restore_now()
+            produced = set()
             continue
         break
     if snap is not None and snap.finish():

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ._captures import describe, unwrap_all as _base
 from ._errors import MutatedSavedTensorError, PolicyError, RecomputeMismatchError
+from ._residuals import residual_sink
 from .policies import NAMED, Offload
 
 __all__ = ["Record", "SaveMode", "saving", "paused", "decide", "checkpoint_name", "Offloader", "normalize_policy"]
@@ -241,7 +242,7 @@ class Record:
         self.stash = None  # (packed entries, unpack) when stored through outer hooks
         self.paused = 0  # > 0 while a recomputation runs inside the forward
         self.versions: list = []  # (kept tensor, version after the forward)
-        self.used: set[int] = set()  # storages read by the forward's ops (see prune)
+        self.kept_ptrs: set[int] = set()  # storages of the values decided "save"
 
     # -- forward -------------------------------------------------------------
     def before_mutation(self, func, args, kwargs) -> None:
@@ -290,6 +291,7 @@ class Record:
         if d == "save":
             e = self.entries.setdefault(key, _Entry(_meta(args)))
             e.out = _kept(out)
+            self.kept_ptrs.update(_ptr(t) for t in leaves if isinstance(t, torch.Tensor))
         elif isinstance(d, Offload):
             self._offload(key, leaves, range(len(leaves)), d)
 
@@ -326,15 +328,18 @@ class Record:
             if e.out is None:
                 e.parts[i] = _kept(base)
             e.name = name
+            self.kept_ptrs.add(_ptr(base))
         elif isinstance(d, Offload):
             leaves = [None] * n
             leaves[i] = base
             e = self.entries.get(key)
             if e is not None and e.out is not None:  # op rule saved it; offload instead
                 e.out = None
+            self.kept_ptrs.discard(_ptr(base))
             self._offload(key, leaves, (i,), d, name)
         elif d == "force":
             self.entries.pop(key, None)
+            self.kept_ptrs.discard(_ptr(base))
 
     def stash_through(self, hooks) -> None:
         """Store the kept tensors through enclosing saved-tensor hooks."""
@@ -378,46 +383,25 @@ class Record:
             for i, h in e.offloaded.items():
                 yield key, i, h[0], "offloaded", e.name
 
-    def prune(self, saved: dict[int, int]) -> None:
-        """Keep no more bytes than plain autograd would have saved.
+    def prune(self, saved: set[int]) -> None:
+        """Keep only values autograd itself saved (``saved``: their storages).
 
-        ``saved`` maps the storages autograd saved in the forward (inputs and
-        parameters aside) to their bytes.  Kept values autograd saved stay.  A
-        kept value autograd did not save stays only if a later op of the region
-        used it (so the recomputation can start from it) and it fits in what is
-        left of autograd's bytes; the rest is dropped and recomputed.
+        A policy decides which values *may* be kept; a value autograd did not
+        save would only add to what backward holds: the recomputation still has
+        to materialise the values autograd needs, so keeping it would raise the
+        region's backward peak above plain autograd's.  Dropped values are
+        recomputed.
         """
-        budget = sum(saved.values())
-        spare = []
-        for key, e in list(self.entries.items()):
+        for key in list(self.entries):
+            e = self.entries[key]
             if e.out is not None:
-                leaves = [t for t in (e.out if type(e.out) in (tuple, list) else (e.out,))
-                          if isinstance(t, torch.Tensor)]
-                if any(_ptr(t) in saved for t in leaves):
-                    budget -= sum(_nbytes(t) for t in leaves if _ptr(t) not in saved)
-                    continue
-                if any(_ptr(t) in self.used for t in leaves):
-                    spare.append((key, None, leaves, e.out))
-                e.out = None
+                leaves = e.out if type(e.out) in (tuple, list) else (e.out,)
+                if not any(isinstance(t, torch.Tensor) and _ptr(t) in saved for t in leaves):
+                    e.out = None
             for i in [i for i, t in e.parts.items() if _ptr(t) not in saved]:
-                t = e.parts.pop(i)
-                if _ptr(t) in self.used:
-                    spare.append((key, i, [t], None))
-        budget -= sum(_nbytes(t) for e in self.entries.values() for t in e.parts.values())
-        budget -= sum(_nbytes(t) for e in self.entries.values() if e.out is not None
-                      for t in optree.tree_leaves(e.out) if _ptr(t) in saved)
-        for key, i, leaves, out in spare:  # in forward order: the earliest ones help most
-            n = sum(_nbytes(t) for t in leaves)
-            if n > budget:
-                continue
-            budget -= n
-            if i is None:
-                self.entries[key].out = out
-            else:
-                self.entries[key].parts[i] = leaves[0]
-        for key in [k for k, e in self.entries.items() if e.out is None and not e.parts and not e.offloaded]:
-            del self.entries[key]
-        self.used = set()
+                del e.parts[i]
+            if e.out is None and not e.parts and not e.offloaded:
+                del self.entries[key]
 
     def seal(self, outputs) -> None:
         """After the forward: remember the versions of the region's outputs whose
@@ -473,13 +457,6 @@ class Record:
         for i, h in e.offloaded.items():
             leaves[i] = self.offloader.fetch(h)
         return type(out)(leaves) if multi else leaves[0]
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().nbytes()
-    except (RuntimeError, NotImplementedError):
-        return 0
 
 
 def _ptr(t: torch.Tensor) -> int | None:
@@ -553,13 +530,6 @@ class SaveMode(TorchDispatchMode):
                 return func(*args, **kwargs)
             return self.rec.replay(func, key, args, kwargs)
         self.rec.seq.append(func)
-        if self.rec.entries:
-            used = self.rec.used
-            for a in args:
-                if isinstance(a, torch.Tensor):
-                    used.add(_ptr(a))
-                elif type(a) in (list, tuple):  # cat, stack, ...
-                    used.update(_ptr(x) for x in a if isinstance(x, torch.Tensor))
         if self.rec.entries and func._schema.is_mutable:
             self.rec.before_mutation(func, args, kwargs)
         out = func(*args, **kwargs)
@@ -602,6 +572,11 @@ def checkpoint_name(x: Any, name: str) -> Any:
     """
     if not isinstance(name, str):
         raise TypeError(f"checkpoint_name expects a string name, got {name!r}")
+    sink = residual_sink()
+    if sink is not None:  # saved_residuals is running: report the name, as JAX does
+        for t in optree.tree_leaves(x):
+            if isinstance(t, torch.Tensor):
+                sink.append((_base(t), "named", name, None))
     stack = getattr(_local, "stack", None)
     if stack:
         mode = stack[-1]

@@ -18,7 +18,7 @@ import torch
 from ._captures import entered
 from ._debug import checks
 from ._errors import RematError
-from ._eager import eager_call
+from ._eager import NeedsFunctionPath, eager_call
 from ._functional import functional_call
 from ._pytree import flatten_output
 from ._rng_state import devices_of
@@ -241,7 +241,11 @@ def _call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug,
         return _functorch_call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug, pol)
     devices = _devices(args, kwargs) if (preserve_rng_state and _has_accelerator()) else []
     policy = pol.plan_eager(fun, args, kwargs) if isinstance(pol, _Budgeted) else pol
-    return eager_call(fun, args, kwargs, name, preserve_rng_state, debug, devices, policy, strict)
+    try:
+        return eager_call(fun, args, kwargs, name, preserve_rng_state, debug, devices, policy, strict)
+    except NeedsFunctionPath:
+        # fun calls torch.func.grad/vjp/...: the autograd.Function path needs no hooks
+        return _functorch_call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug, pol)
 
 
 def _devices(args, kwargs):

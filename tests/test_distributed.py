@@ -49,7 +49,7 @@ def _data(rows=ROWS, d=D, seed=1, dtype=torch.float32):
 
 
 def _block(h, w):
-    return torch.tanh(h @ w) * 1.5
+    return torch.sin(h @ w) * 1.5  # sin saves its input: the matmul output (see sc_policy)
 
 
 def _run(ws, x, wrap=None):

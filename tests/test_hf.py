@@ -149,3 +149,28 @@ def test_gpt2_memory_under_vjp():
     print(f"GPT-2 (4 layers) under vjp: kept {kept['remat']} B with remat vs {kept['plain']} B, ratio {ratio:.3f}")
     assert ratio < 0.8
     assert_tree_close(grads["remat"], grads["plain"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpt2_training_step_under_cpu_autocast_equals_torch_checkpoint(dtype):
+    """A mixed-precision training step (autocast forward, fp32 master weights, AdamW)
+    with remat_fn.compat.checkpoint gives bitwise the gradients and updated weights of
+    torch's own checkpoint."""
+    import torch.utils.checkpoint as tc
+
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    results = []
+    for fn in (Counting(), Counting(functools.partial(tc.checkpoint, use_reentrant=False))):
+        model = enable(gpt2(dropout=0.1), fn)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        torch.manual_seed(7)  # the same dropout masks for both
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=dtype):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        assert fn.calls > 0
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert_tree_close(results[0], results[1], exact=True)

@@ -1,0 +1,1007 @@
+"""Behaviours of PyTorch's own checkpoint tests, ported to :mod:`remat_fn.compat`.
+
+Sources (pytorch/pytorch): ``test/test_utils.py`` (``TestCheckpoint``),
+``test/test_autograd.py`` (the ``test_checkpoint*`` tests of ``TestAutograd``,
+``TestNestedCheckpoint`` and the selective-checkpoint tests).  Each test keeps the
+name of the test it ports.  Behaviours not reproduced on purpose (errors of torch's
+reentrant variant, warnings about ``use_reentrant``) are listed with the reason in
+``docs/migration.md``; tests that need an accelerator are skipped without one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import gc
+import random
+import weakref
+
+import pytest
+import torch
+import torch.utils.checkpoint as tc
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from remat_fn import MutatedSavedTensorError, PolicyError, RecomputeMismatchError, RematError
+from remat_fn.compat import checkpoint, checkpoint_sequential
+from remat_fn.memory import LiveBytes
+
+from ._util import assert_tree_close
+
+ACCEL = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+needs_accelerator = pytest.mark.skipif(ACCEL is None, reason="needs an accelerator")
+
+
+class OpNames(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+# =============================================================================
+# test/test_utils.py :: TestCheckpoint
+# =============================================================================
+def _check_checkpoint_sequential(model, module_lists_to_compare, num_chunks, input):
+    out = model(input)
+    out_not_checkpointed = out.detach().clone()
+    model.zero_grad()
+    out.sum().backward()
+    grad_not_checkpointed = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    input_grad_not_checkpointed = input.grad.detach().clone()
+    for model_to_compare in module_lists_to_compare:
+        detached = input.detach().requires_grad_(True)
+        out = checkpoint_sequential(model_to_compare, num_chunks, detached, use_reentrant=False)
+        out_checkpointed = out.detach().clone()
+        model.zero_grad()
+        out.sum().backward()
+        grad_checkpointed = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        assert torch.equal(out_checkpointed, out_not_checkpointed)
+        assert torch.equal(input_grad_not_checkpointed, detached.grad)
+        for name in grad_checkpointed:
+            assert torch.equal(grad_checkpointed[name], grad_not_checkpointed[name])
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpoint_trigger(use_reentrant):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.counter = 0
+
+        def forward(self, input_var):
+            self.counter += 1
+            return input_var * torch.tensor(2.0)
+
+    modules = [Net() for _ in range(10)]
+    input_var = torch.randn(3, 4, requires_grad=True)
+    out = checkpoint_sequential(modules, 2, input_var, use_reentrant=use_reentrant)
+    assert all(m.counter == 1 for m in modules)
+    out.sum().backward()
+    # x * 2 saves no tensor of the region: plain autograd would recompute nothing
+    # either; the first half's regions were recomputed only if something needed it
+    assert all(m.counter in (1, 2) for m in modules[: len(modules) // 2])
+    assert all(m.counter == 1 for m in modules[len(modules) // 2:])
+
+
+def test_checkpoint_trigger_with_saved_activations():
+    """``test_checkpoint_trigger`` where each module saves an activation (so the
+    checkpointed half must run twice, as in torch)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.counter = 0
+
+        def forward(self, x):
+            self.counter += 1
+            return (x * torch.tensor(2.0)).exp()
+
+    modules = [Net() for _ in range(10)]
+    out = checkpoint_sequential(modules, 2, torch.randn(3, 4, requires_grad=True), use_reentrant=False)
+    out.sum().backward()
+    assert [m.counter for m in modules] == [2] * 5 + [1] * 5
+
+
+def test_checkpoint_valid():
+    model = nn.Sequential(nn.Linear(100, 50), nn.ReLU(), nn.Linear(50, 20), nn.ReLU(),
+                          nn.Linear(20, 5), nn.ReLU())
+    input_var = torch.randn(1, 100, requires_grad=True)
+    modules = list(model.children())
+    out = model(input_var)
+    grads_no_checkpoint = torch.autograd.grad([out], [input_var], [torch.ones(1, 5)], create_graph=True)
+    # torch's reentrant variant refuses create_graph here; remat_fn has no such limit
+    for use_reentrant in (True, False):
+        out_checkpoint = checkpoint_sequential(modules, 2, input_var, use_reentrant=use_reentrant)
+        assert torch.equal(out_checkpoint, out)
+        grads_checkpoint = torch.autograd.grad([out_checkpoint], [input_var], [torch.ones(1, 5)],
+                                               create_graph=True)
+        assert_tree_close(grads_no_checkpoint, grads_checkpoint, exact=True)
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(100, 50), nn.ReLU(), nn.Linear(50, 20), nn.ReLU(),
+                         nn.Linear(20, 5), nn.ReLU())
+
+
+def test_checkpoint():
+    model = _mlp()
+    _check_checkpoint_sequential(model, [list(model.children()), model], 2,
+                                 torch.randn(1, 100, requires_grad=True))
+
+
+def test_checkpoint_module_list():
+    class ModuleListNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module_list = nn.ModuleList(list(_mlp().children()))
+
+        def forward(self, input):
+            for layer in self.module_list:
+                input = layer(input)
+            return input
+
+    model = ModuleListNet()
+    _check_checkpoint_sequential(model, [list(model.module_list.children()), model.module_list], 2,
+                                 torch.randn(1, 100, requires_grad=True))
+
+
+def test_checkpoint_sequential_deprecated_multiple_args():
+    class Two(nn.Module):
+        def forward(self, a, b):
+            return a, b
+
+    model = nn.Sequential(Two())
+    a = torch.randn(1, 100, requires_grad=True)
+    b = torch.randn(1, 100, requires_grad=True)
+    with pytest.raises(TypeError):
+        checkpoint_sequential(model, 1, a, b)
+
+
+def test_checkpoint_sequential_deprecated_no_args():
+    class Noop(nn.Module):
+        def forward(self):
+            pass
+
+    model = nn.Sequential(Noop())
+    with pytest.raises(TypeError):
+        checkpoint_sequential(model, 1)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpoint_rng_cpu(use_reentrant):
+    for _ in range(5):
+        inp = torch.randn(20000, device="cpu").requires_grad_()
+        phase1 = torch.nn.Dropout()
+        phase2 = torch.nn.Dropout()
+
+        def run_fn(input):
+            return phase2(input)
+
+        state = torch.get_rng_state()
+        out = phase1(inp)
+        out = checkpoint(run_fn, out, use_reentrant=use_reentrant)
+        out.sum().backward()
+        grad_with_checkpointing = inp.grad
+        torch.set_rng_state(state)
+        inp.grad = None
+        out = phase1(inp)
+        out = run_fn(out)
+        out.sum().backward()
+        assert torch.equal(grad_with_checkpointing, inp.grad)
+
+
+@needs_accelerator
+def test_checkpoint_rng_gpu():  # pragma: no cover - needs an accelerator
+    dev = ACCEL.type
+    for _ in range(5):
+        inp = torch.randn(20000, device=dev).requires_grad_()
+        phase1, phase2 = torch.nn.Dropout(), torch.nn.Dropout()
+        state = torch.get_device_module(dev).get_rng_state()
+        out = checkpoint(phase2, phase1(inp), use_reentrant=True)
+        out.sum().backward()
+        g = inp.grad
+        torch.get_device_module(dev).set_rng_state(state)
+        inp.grad = None
+        phase2(phase1(inp)).sum().backward()
+        assert torch.equal(g, inp.grad)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + ([ACCEL.type] if ACCEL is not None else []))
+def test_checkpoint_not_preserve_rng_state_and_without_reentrant(device):
+    inp = torch.randn(2, device=device).requires_grad_()
+    layer = torch.nn.Dropout()
+    out = checkpoint(lambda x: layer(x), inp, use_reentrant=False, preserve_rng_state=False)
+    out.sum().backward()  # runs without error
+
+
+def test_checkpoint_non_tensor():
+    def run_fn(tensor1, tensor2):
+        if tensor2 is None:
+            return tensor1
+        return tensor1 + tensor2
+
+    input_var = torch.randn(1, 100, requires_grad=True)
+    out = checkpoint(run_fn, input_var, None, use_reentrant=True)
+    out.sum().backward()
+    assert torch.equal(input_var.grad, torch.ones(1, 100))
+
+
+def _foo(t1, t2, scale, t3):
+    t4 = t1 + t2 * t3
+    t5 = t1 * t2 + t3
+    t4 *= scale
+    t5 *= scale
+    return scale, t4, None, True, t5, "bar", t1
+
+
+def test_checkpoint_non_tensor_inputs_outputs():
+    t1 = torch.rand(10, requires_grad=True)
+    t2 = torch.rand(10, requires_grad=True)
+    t3 = torch.rand(10)
+    scale = random.randint(0, 10)
+    res = checkpoint(_foo, t1, t2, scale, t3, use_reentrant=True)
+    assert scale == res[0]
+    assert torch.equal((t1 + t2 * t3) * scale, res[1])
+    assert res[2] is None and res[3] is True and res[5] == "bar"
+    assert torch.equal((t1 * t2 + t3) * scale, res[4])
+    assert torch.equal(t1, res[6])
+    res[1].sum().backward(retain_graph=True)
+    res[4].sum().backward(retain_graph=True)
+    res[6].sum().backward()
+    t1_grad, t2_grad = t1.grad, t2.grad
+    t1.grad = t2.grad = None
+    res = _foo(t1, t2, scale, t3)
+    torch.autograd.backward([res[1].sum(), res[4].sum(), res[6].sum()])
+    assert torch.equal(t1.grad, t1_grad) and torch.equal(t2.grad, t2_grad)
+
+
+def test_checkpoint_no_tensors():
+    t1, t2, t3 = random.random(), random.random(), random.random()
+    scale = random.randint(0, 10)
+    res = checkpoint(_foo, t1, t2, scale, t3, use_reentrant=True)
+    assert res == _foo(t1, t2, scale, t3)
+
+
+def test_checkpoint_partial_grad():
+    def run_fn(tensor1, tensor2):
+        return tensor1, tensor2
+
+    input_var = torch.randn(1, 4, requires_grad=True)
+    input_var2 = torch.randn(1, 4, requires_grad=False)
+    out = checkpoint(run_fn, input_var, input_var2, use_reentrant=True)
+    out[0].sum().backward()
+    assert torch.equal(input_var.grad, torch.ones(1, 4))
+
+    # torch's reentrant variant raises "none of output has requires_grad=True"; here
+    # the output simply does not require grad, as in plain code
+    out = checkpoint(lambda t1, t2: t1, torch.randn(1, 4), torch.randn(1, 4, requires_grad=True),
+                     use_reentrant=True)
+    assert not out.requires_grad
+
+
+def test_checkpointing_without_reentrant_early_free():
+    """Ported with the live-bytes meter instead of accelerator memory stats: during
+    backward, buffers of a checkpointed chain are freed step by step, as in a plain
+    backward, also with ``retain_graph=True``."""
+
+    def _do_test(fn):
+        stats: list[int] = []
+        meter = LiveBytes()
+
+        def track(x, idx):
+            def hook(_unused):
+                assert len(stats) == idx
+                stats.append(meter.live)
+            x.register_hook(hook)
+
+        def test_fn(x):
+            x = x**2
+            track(x, 2)
+            x = x**2
+            track(x, 1)
+            x = x**2
+            track(x, 0)
+            x = x**2
+            return x.sum()
+
+        with meter:
+            fn(test_fn)
+        return stats
+
+    x = torch.zeros(1000, requires_grad=True)
+    x.grad = torch.zeros_like(x)
+    non_retain = _do_test(lambda fn: fn(x).backward())
+    ckpt_non_retain = _do_test(lambda fn: checkpoint(fn, x, use_reentrant=False).backward())
+    ckpt_retain = _do_test(lambda fn: checkpoint(fn, x, use_reentrant=False).backward(retain_graph=True))
+    assert all(b < a for a, b in zip(non_retain, non_retain[1:])), non_retain
+    assert all(b < a for a, b in zip(ckpt_non_retain, ckpt_non_retain[1:])), ckpt_non_retain
+    assert all(b < a for a, b in zip(ckpt_retain, ckpt_retain[1:])), ckpt_retain
+
+
+def test_checkpoint_preserves_device_context():
+    """Ported with the ``meta`` device (no accelerator needed): tensors created
+    without an explicit device are created on the ``torch.device()`` context's
+    device in the recomputation too."""
+    recomputed_devices = []
+
+    def fn_creates_tensor(x):
+        recomputed_devices.append(torch.empty(4).device)
+        return x.exp()  # exp saves its output: backward recomputes the region
+
+    x = torch.randn(4, requires_grad=True)
+    with torch.device("meta"):
+        y = checkpoint(fn_creates_tensor, x, use_reentrant=False)
+    assert recomputed_devices[-1].type == "meta"
+    y.sum().backward()  # outside the context
+    assert len(recomputed_devices) == 2 and recomputed_devices[-1].type == "meta"
+
+
+# =============================================================================
+# test/test_autograd.py :: TestAutograd (checkpoint tests)
+# =============================================================================
+def test_checkpointing():
+    module = nn.Sequential(nn.Linear(10, 100), nn.ReLU(), nn.Linear(100, 10))
+    feats = []
+    for _ in range(200):
+        data_r = torch.empty(1, 10).uniform_().requires_grad_()
+        feats.append(checkpoint(module, data_r, use_reentrant=True))
+    torch.stack(feats).mean().backward()
+    assert all(p.grad is not None for p in module.parameters())
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_checkpointing_non_reentrant_autocast_cpu(enabled):
+    def foo(x, y, z):
+        x = torch.mm(x, y)
+        y = torch.mm(x, z)
+        z = torch.mm(z, z)
+        assert z.dtype == (torch.bfloat16 if enabled else torch.float32)
+        return z
+
+    x, y, z = (torch.randn(3, 3, requires_grad=True) for _ in range(3))
+    with torch.autocast(enabled=enabled, device_type="cpu", dtype=torch.bfloat16):
+        loss = checkpoint(foo, x, y, z, use_reentrant=False).sum()
+    loss.backward()  # recomputes under bfloat16 autocast
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_checkpointing_non_reentrant_autocast_gpu():  # pragma: no cover - needs CUDA
+    def foo(x, y, z):
+        z = torch.mm(torch.mm(x, y), z)
+        assert z.dtype == torch.bfloat16
+        return z
+
+    x, y, z = (torch.randn(3, 3, device="cuda", requires_grad=True) for _ in range(3))
+    with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+        loss = checkpoint(foo, x, y, z, use_reentrant=False).sum()
+    loss.backward()
+
+
+def test_checkpointing_without_reentrant_memory_savings():
+    """Ported with the live-bytes meter (torch measures CUDA memory over forward and
+    backward; on CPU the meter's backward peak is dominated by gradient buffers, so
+    the peak is read at the end of the forward, where the activations live)."""
+
+    class MyModel(nn.Module):
+        def __init__(self, n, use_checkpoint):
+            super().__init__()
+            self.n, self.use_checkpoint = n, use_checkpoint
+            self.layers = nn.ModuleList(
+                nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 256))
+                for _ in range(n))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = checkpoint(layer, x, use_reentrant=False) if self.use_checkpoint else layer(x)
+            return x
+
+    torch.manual_seed(0)
+    x = torch.randn(100, 256, requires_grad=True)
+    peaks = []
+    for use in (False, True):
+        model = MyModel(8, use)
+        for p in model.parameters():  # as torch does: gradients allocated up front
+            p.grad = torch.ones_like(p)
+        with LiveBytes() as meter:
+            loss = model(x.clone()).sum()
+            peaks.append(meter.peak)  # the activations kept for backward
+            loss.backward()
+    assert peaks[1] < 0.5 * peaks[0], peaks
+
+
+def test_checkpointing_without_reentrant_custom_function_works():
+    class MyFunc(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, y, z):
+            w = x * y * z
+            out = w + w
+            ctx.save_for_backward(x, y, z, w, out)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            x, y, z, w, out = ctx.saved_tensors
+            # torch raises "Unpack is being triggered for a tensor that was already
+            # unpacked once" here; remat_fn recomputes and hands out the same values
+            x2, y2, z2, w2, out2 = ctx.saved_tensors
+            assert all(torch.equal(a, b) for a, b in zip((x, y, z, w, out), (x2, y2, z2, w2, out2)))
+            return x, y, z
+
+    x, y, z = (torch.tensor(v, requires_grad=True) for v in (1.0, 2.0, 3.0))
+
+    def foo(x, y, z):
+        x = x * y * z
+        y = y * y * z
+        z = z * z
+        return MyFunc.apply(x, y, z)
+
+    out = checkpoint(foo, x, y, z, use_reentrant=False)
+    out.sum().backward()
+    ref = [t.detach().clone().requires_grad_() for t in (x, y, z)]
+    foo(*ref).sum().backward()
+    assert_tree_close([x.grad, y.grad, z.grad], [t.grad for t in ref], exact=True)
+
+
+def test_checkpointing_without_reentrant_with_context_fn():
+    x = torch.tensor(1.0, requires_grad=True)
+    verbose = OpNames()
+    out = checkpoint(lambda x: x.exp(), x, use_reentrant=False,
+                     context_fn=lambda: (verbose, contextlib.nullcontext()))
+    assert verbose.ops == ["exp.default"]
+    verbose.ops = []
+    out = checkpoint(lambda x: x.exp(), x, use_reentrant=False,
+                     context_fn=lambda: (contextlib.nullcontext(), verbose))
+    out.backward()
+    assert verbose.ops[:1] == ["exp.default"]  # the recomputation ran under the second context
+
+
+def test_checkpoint_graph_execution_group():
+    counter = [0]
+
+    def fn(x):
+        counter[0] += 1
+        y = x.sin().cos()
+        z = y.sin().cos()
+        return y, z
+
+    x = torch.randn(3, 3, requires_grad=True)
+    y, z = checkpoint(fn, x, use_reentrant=False)
+    (grad_y,) = torch.autograd.grad(z, inputs=(y,), grad_outputs=(torch.ones(3, 3),))
+    (grad_x,) = torch.autograd.grad(y, inputs=(x,), grad_outputs=(grad_y,))
+    # remat_fn recomputes every still-needed tensor of the region at the first
+    # unpack, so the second backward finds its tensors ready: 2 forwards, torch's
+    # count *with* a GraphExecGroup (3 without one; see docs/migration.md)
+    assert counter[0] == 2
+    x2 = x.detach().clone().requires_grad_()
+    y2, z2 = fn(x2)
+    gy = torch.autograd.grad(z2, y2, torch.ones(3, 3))[0]
+    assert_tree_close(grad_x, torch.autograd.grad(y2, x2, gy)[0], exact=True)
+
+
+def _get_non_det_fn(orig_fn, recompute_fn):
+    counter = [0]
+
+    def fn(x):
+        if counter[0] == 0:
+            counter[0] += 1
+            return orig_fn(x)
+        return recompute_fn(x)
+
+    return fn
+
+
+def test_checkpoint_detects_non_determinism():
+    def save_3_tensors(x):
+        return x.sin().exp().sin()
+
+    def save_2_tensors(x):
+        return x.sin().exp()
+
+    def save_2_tensors_alt(x):
+        return x.sin() * torch.tensor([1.0, 2.0])
+
+    a = torch.randn(1, requires_grad=True)
+    with pytest.raises(RecomputeMismatchError, match="tensors were saved"):  # fewer
+        checkpoint(_get_non_det_fn(save_3_tensors, save_2_tensors), a, use_reentrant=False).backward()
+    with tc.set_checkpoint_early_stop(False):  # more, with early stop off
+        with pytest.raises(RecomputeMismatchError, match="more tensors were saved"):
+            checkpoint(_get_non_det_fn(save_2_tensors, save_3_tensors), a, use_reentrant=False).backward()
+    # with early stop (the default) the extra op is never reached: results are right
+    checkpoint(_get_non_det_fn(save_2_tensors, save_3_tensors), a, use_reentrant=False).backward()
+    with pytest.raises(RecomputeMismatchError, match=r"saved tensor #\d is .* but was"):  # metadata
+        checkpoint(_get_non_det_fn(save_2_tensors, save_2_tensors_alt), a, use_reentrant=False).sum().backward()
+    with pytest.raises(RecomputeMismatchError, match="forward ops:"):  # debug=True
+        checkpoint(_get_non_det_fn(save_2_tensors, save_2_tensors_alt), a, use_reentrant=False,
+                   debug=True).sum().backward()
+    with pytest.raises(RecomputeMismatchError, match="forward ops:"):
+        with tc.set_checkpoint_debug_enabled(True):
+            out = checkpoint(_get_non_det_fn(save_2_tensors, save_2_tensors_alt), a,
+                             use_reentrant=False, debug=False)
+        out.sum().backward()
+    with pytest.raises(RecomputeMismatchError, match="Pass debug=True"):
+        with tc.set_checkpoint_debug_enabled(False):
+            out = checkpoint(_get_non_det_fn(save_2_tensors, save_2_tensors_alt), a,
+                             use_reentrant=False, debug=True)
+        out.sum().backward()
+
+
+def test_access_saved_tensor_twice_without_recomputation_works():
+    count = [0]
+
+    def foo(a):
+        count[0] += 1
+        b = a * a
+        c = a * b
+        return torch.exp(a) + 0 * c
+
+    a = torch.randn(5, requires_grad=True)
+    d = checkpoint(lambda a: torch.exp(foo(a)), a, use_reentrant=False)
+    assert count[0] == 1
+    saved = d.grad_fn._saved_result  # recomputes outside backward
+    assert count[0] == 2 and torch.equal(saved, d)
+    d.grad_fn._saved_result  # and again
+    assert count[0] == 3
+    d.sum().backward()
+    assert count[0] == 4
+    with pytest.raises(RuntimeError, match="after they have already been freed"):
+        d.grad_fn._saved_result
+
+
+@pytest.mark.parametrize("input_requires_grad", [True, False])
+def test_checkpointing_without_reentrant(input_requires_grad):
+    module = nn.Sequential(nn.Linear(10, 100), nn.ReLU(), nn.Linear(100, 10))
+
+    class MyModule(nn.Module):
+        def __init__(self, mod):
+            super().__init__()
+            self.module = mod
+
+        def forward(self, data):
+            return self.module(data)
+
+    module = MyModule(module)
+    module_copy = copy.deepcopy(module)
+    feats, feats_plain = [], []
+    for _ in range(100):
+        data_r = torch.empty(1, 10).uniform_()
+        data_r.requires_grad = input_requires_grad
+        feats.append(checkpoint(module, data=data_r, use_reentrant=False))
+        feats_plain.append(module_copy(data_r))
+    torch.stack(feats).mean().backward()
+    torch.stack(feats_plain).mean().backward()
+    for p, q in zip(module.parameters(), module_copy.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_checkpoint_valid_reset_on_error():
+    a = torch.randn(2, 2, requires_grad=True)
+    # torch's reentrant variant fails with torch.autograd.grad; remat_fn does not
+    b = checkpoint(torch.exp, a, use_reentrant=True).sum()
+    (g,) = torch.autograd.grad(b, (a,))
+    assert torch.equal(g, torch.exp(a))
+    c = checkpoint(torch.exp, a, use_reentrant=True).sum()
+    c.backward()
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpointing_without_reentrant_detached_tensor(use_reentrant):
+    class NoGradModule(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(2, 2, bias=False)
+            self.lin2 = nn.Linear(2, 2, bias=False)
+
+        def forward(self, x):
+            with torch.no_grad():
+                return self.lin2(self.linear(x))
+
+    module = NoGradModule()
+    a = torch.randn(2, 2, requires_grad=True)
+    for _ in range(3):
+        out = checkpoint(module, a, use_reentrant=use_reentrant)
+        out += a
+        out.sum().backward()
+
+
+def test_checkpointing_without_reentrant_saved_object_identity():
+    x_backward = None
+
+    class Test(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, y):
+            ctx.save_for_backward(y)
+            return x
+
+        @staticmethod
+        def backward(ctx, x):
+            nonlocal x_backward
+            (x_backward,) = ctx.saved_tensors
+            return x, None
+
+    a = torch.tensor(1.0, requires_grad=True)
+    b = torch.tensor(1.0, requires_grad=False)
+    Test.apply(a, b).backward()
+    assert b is x_backward
+    x_backward = None
+    checkpoint(Test.apply, a, b, use_reentrant=False).backward()
+    assert b is x_backward
+
+
+def test_checkpointing_without_reentrant_correct_grad():
+    a = torch.randn(2, 2, requires_grad=True)
+    torch.exp(a).sum().backward()
+    b_grad = a.grad
+    a.grad = None
+    checkpoint(torch.exp, a, use_reentrant=False).sum().backward()
+    c_grad = a.grad
+    a.grad = None
+    (d_grad,) = torch.autograd.grad(checkpoint(torch.exp, a, use_reentrant=False).sum(), (a,))
+    assert torch.equal(b_grad, c_grad) and torch.equal(b_grad, d_grad)
+
+
+def test_checkpointing_without_reentrant_dataparallel():
+    class LinearModule(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(2, 2, bias=False)
+
+        def forward(self, inp):
+            return self.linear(inp)
+
+    a = torch.randn(2, 2, requires_grad=True)
+    model = LinearModule()
+    copy.deepcopy(model)(a).sum().backward()
+    b_grad = a.grad
+    a.grad = None
+    module = nn.DataParallel(copy.deepcopy(model))
+    checkpoint(module, a, use_reentrant=False).sum().backward()
+    assert torch.equal(b_grad, a.grad)
+
+
+def test_checkpointing_without_reentrant_parameter_used_in_an_out():
+    w = torch.randn(10, 10, requires_grad=True)
+    count = 0
+
+    def hook(grad):
+        nonlocal count
+        count += 1
+
+    w.register_hook(hook)
+    x = torch.rand(10, 10, requires_grad=True)
+    h = w * x
+    out = checkpoint(lambda x: w * x, h, use_reentrant=False)
+    out.sum().backward()
+    assert count == 1
+
+
+def test_checkpointing_without_reentrant_arbitrary_input_output():
+    class MyModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(5, 5, bias=False)
+
+        def forward(self, dict_input):
+            return {"result": self.layer(dict_input["tensor"])}
+
+    plain = MyModel()
+    ckpt = copy.deepcopy(plain)
+    inp = {"tensor": torch.randn(5, 5)}
+    out_plain = plain(inp)["result"].sum()
+    out_ckpt = checkpoint(ckpt, inp, use_reentrant=False)["result"].sum()
+    assert torch.equal(out_plain, out_ckpt)
+    out_plain.backward()
+    out_ckpt.backward()
+    for p, q in zip(plain.parameters(), ckpt.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+# =============================================================================
+# test/test_autograd.py :: TestNestedCheckpoint
+# =============================================================================
+def _c(fn):
+    return lambda *a, **kw: checkpoint(fn, *a, use_reentrant=False, **kw)
+
+
+def _grad_and_grad_grad(fn, x):
+    x = x.detach().clone().requires_grad_()
+    out = fn(x)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    (gg,) = torch.autograd.grad(g.sum(), x)
+    return out.detach(), g.detach(), gg
+
+
+def _f(x):
+    return x.sin().exp().sin()
+
+
+def _g(x):
+    return x.cos().sin().exp()
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+@pytest.mark.parametrize("nesting", ["c(f)", "c(c(f))", "c(c(c(f)))", "c(f)(c(g))", "c(c(f)(c(g)))"])
+def test_nested_checkpoint(early_stop, nesting):
+    fns = {
+        "c(f)": (_c(_f), _f),
+        "c(c(f))": (_c(_c(_f)), _f),
+        "c(c(c(f)))": (_c(_c(_c(_f))), _f),
+        "c(f)(c(g))": (lambda x: _c(_f)(_c(_g)(x)), lambda x: _f(_g(x))),
+        "c(c(f)(c(g)))": (_c(lambda x: _c(_f)(_c(_g)(x))), lambda x: _f(_g(x))),
+    }
+    fn, plain = fns[nesting]
+    x = torch.randn(4, dtype=torch.float64)
+    with tc.set_checkpoint_early_stop(early_stop):
+        got = _grad_and_grad_grad(fn, x)
+    assert_tree_close(got, _grad_and_grad_grad(plain, x), rtol=1e-12, atol=1e-12)
+
+
+def test_nested_checkpoint_two_children():
+    def hc(x):
+        return _c(lambda x: _c(_f)(x) + _c(_g)(x))(x)
+
+    x = torch.randn(4, dtype=torch.float64)
+    assert_tree_close(_grad_and_grad_grad(hc, x),
+                      _grad_and_grad_grad(lambda x: _f(x) + _g(x), x), rtol=1e-12, atol=1e-12)
+
+
+def test_nested_checkpoint_non_tensor_inputs_and_outputs():
+    def fn(k, a, b, f):
+        return f(k * a * b.exp()), 1, "abcd"
+
+    k, a, b = (torch.randn(4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    f = lambda x: x.sin()  # noqa: E731
+    out, one, s = _c(lambda *args: _c(fn)(*args))(k, a, b, f)
+    assert one == 1 and s == "abcd"
+    got = torch.autograd.grad(out.sum(), (k, a, b))
+    want = torch.autograd.grad(fn(k, a, b, f)[0].sum(), (k, a, b))
+    assert_tree_close(got, want, exact=True)
+
+
+def test_nested_checkpoint_kwargs():
+    def fn(a, blah=None):
+        out = a.sin().exp()
+        if blah is not None:
+            out = out * blah
+        return out.sin().exp()
+
+    a = torch.tensor(1.0, requires_grad=True)
+    blah = torch.tensor(1.0, requires_grad=True)
+    out = _c(lambda a, blah: _c(fn)(a, blah=blah))(a, blah)
+    got = torch.autograd.grad(out, (a, blah))
+    want = torch.autograd.grad(fn(a, blah=blah), (a, blah))
+    assert_tree_close(got, want, exact=True)
+
+
+def test_nested_checkpoint_same_graph():
+    counter = [0]
+
+    def hook(*_unused):
+        counter[0] += 1
+
+    def fn(a):
+        return a.sin().cos().sin()
+
+    a = torch.tensor(1.0, requires_grad=True)
+    out = _c(lambda a: _c(fn)(a))(a)
+    out.grad_fn.next_functions[0][0].register_hook(hook) if out.grad_fn.next_functions else None
+    out.backward()
+    assert counter[0] <= 1  # the node's hook ran at most once: one graph, not two
+    assert torch.equal(a.grad, torch.func.grad(fn)(a.detach()))
+
+
+def test_nested_checkpoint_reentrant_backwards():
+    def fn(a):
+        x = a.sin().cos()
+        return x.sin()
+
+    a = torch.tensor(1.0, requires_grad=True)
+    out = _c(lambda a: _c(fn)(a))(a)
+    out.backward()
+    g1 = a.grad.clone()
+    a.grad = None
+    out = _c(lambda a: _c(fn)(a))(a)
+    (g2,) = torch.autograd.grad(out, a)
+    assert torch.equal(g1, g2) and torch.equal(g1, torch.func.grad(fn)(a.detach()))
+
+
+def test_nested_checkpoint_set_early_stop():
+    counter = [0]
+
+    def clone(x):
+        counter[0] += 1
+        return x.clone()
+
+    def fn(x):
+        return clone(x.sin().cos()).exp()
+
+    x = torch.tensor(1.0, requires_grad=True)
+    out = _c(fn)(x)
+    out.backward()
+    with_early_stop = counter[0]
+    counter[0] = 0
+    x.grad = None
+    with tc.set_checkpoint_early_stop(False):
+        out = _c(fn)(x)
+    out.backward()
+    assert counter[0] >= with_early_stop  # without early stop the whole region reran
+
+
+def test_nested_checkpoint_set_early_stop_no_recompution_needed():
+    counter = [0]
+
+    def fn(x):
+        counter[0] += 1
+        return x.sin()  # saves only its input: nothing to recompute
+
+    x = torch.tensor(1.0, requires_grad=True)
+    out = _c(fn)(x)
+    out.backward()
+    assert counter[0] == 1
+    with tc.set_checkpoint_early_stop(False):
+        out = _c(fn)(x)
+    out.backward()
+    assert counter[0] == 2
+
+
+# =============================================================================
+# Selective activation checkpointing (create_selective_checkpoint_contexts)
+# =============================================================================
+def _sac(policy_or_ops):
+    return functools.partial(tc.create_selective_checkpoint_contexts, policy_or_ops)
+
+
+def test_flops_and_mem():
+    """Saving mm outputs removes their recomputation from backward."""
+
+    def fn(x, y):
+        return torch.sigmoid(torch.matmul(torch.matmul(x, y), y)) * y
+
+    x, y = (torch.randn(4, 4, requires_grad=True) for _ in range(2))
+    counts = {}
+    for label, ctx_fn in [("none", None), ("mm", _sac([torch.ops.aten.mm.default]))]:
+        out = checkpoint(fn, x, y, use_reentrant=False, context_fn=ctx_fn)
+        with OpNames() as m:
+            out.sum().backward()
+        counts[label] = m.ops.count("mm.default")
+    assert counts["mm"] < counts["none"], counts
+
+
+def test_output_already_has_autograd_meta():
+    def fn(x, y):
+        return x.view(-1), y.sin().cos()
+
+    x = torch.tensor([[1.0]], requires_grad=True)
+    y = torch.tensor([1.0], requires_grad=True)
+    ctx_fn = _sac(lambda ctx, op, *a, **k: tc.CheckpointPolicy.MUST_SAVE)
+    out = checkpoint(fn, x, y, use_reentrant=False, context_fn=ctx_fn)
+    (out[0] + out[1]).sum().backward()
+    assert torch.equal(x.grad, torch.ones(1, 1))
+
+
+def test_bad_inputs():
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises((PolicyError, TypeError)):
+        checkpoint(lambda x: x.sin(), x, use_reentrant=False,
+                   context_fn=_sac(lambda ctx, op, *a, **k: "not a decision")).sum().backward()
+    with pytest.raises(TypeError, match="two context managers"):
+        checkpoint(lambda x: x.sin(), x, use_reentrant=False, context_fn=lambda: None)
+
+
+def test_policy_with_state():
+    # a stateful policy: saves every other op, counted in the forward only
+    count = [0]
+
+    def policy_fn(ctx, op, *args, **kwargs):
+        if op is torch.ops.aten.detach.default:
+            return tc.CheckpointPolicy.PREFER_SAVE
+        assert not ctx.is_recompute
+        count[0] += 1
+        return tc.CheckpointPolicy.MUST_SAVE if count[0] % 2 else tc.CheckpointPolicy.PREFER_RECOMPUTE
+
+    def fn(x):
+        return x.sin().exp().sin().exp()
+
+    x = torch.randn(3, requires_grad=True)
+    out = checkpoint(fn, x, use_reentrant=False, context_fn=_sac(policy_fn))
+    seen = count[0]
+    out.sum().backward()
+    assert count[0] == seen  # not asked again during recomputation
+    (ref,) = torch.autograd.grad(fn(x).sum(), x)
+    assert torch.equal(x.grad, ref)
+
+
+def test_policy_ctx_has_op_output():
+    outputs = []
+
+    def policy_fn(ctx, op, *args, **kwargs):
+        outputs.append((ctx.is_recompute, ctx.op_output))
+        return tc.CheckpointPolicy.PREFER_RECOMPUTE
+
+    x = torch.randn(3, requires_grad=True)
+    checkpoint(lambda x: x.sin().exp(), x, use_reentrant=False, context_fn=_sac(policy_fn))
+    assert outputs and all(r is False for r, _ in outputs)
+    assert any(isinstance(o, torch.Tensor) and o.shape == (3,) for _, o in outputs)
+
+
+def test_storage_lifetime():
+    ref = []
+
+    def policy_fn(ctx, op, *args, **kwargs):
+        return tc.CheckpointPolicy.MUST_SAVE
+
+    def fn(x):
+        y = x.sin().exp()
+        ref.append(weakref.ref(y))
+        return y.sin()
+
+    x = torch.randn(3, requires_grad=True)
+    out = checkpoint(fn, x, use_reentrant=False, context_fn=_sac(policy_fn))
+    out.sum().backward()
+    del out
+    gc.collect()
+    assert ref[0]() is None  # nothing kept after backward
+
+
+def test_version_counter():
+    ctx_fn = _sac(lambda ctx, op, *a, **k: tc.CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.sin.default
+                  else tc.CheckpointPolicy.PREFER_RECOMPUTE)
+    x = torch.randn(3, requires_grad=True)
+    # the saved sin output is needed by backward (cos saves its input) and modified
+    out, c = checkpoint(lambda x: (lambda s: (s, s.cos()))(x.sin()), x, use_reentrant=False,
+                        context_fn=ctx_fn)
+    out.mul_(2)
+    with pytest.raises(MutatedSavedTensorError, match="modified in place"):
+        c.sum().backward()
+    # torch's SAC also raises when backward does not need the value (exp saves its
+    # output); remat_fn keeps only what autograd saves, so the value is not kept and
+    # the gradient is plain autograd's
+    out, e = checkpoint(lambda x: (lambda s: (s, s.exp()))(x.sin()), x, use_reentrant=False,
+                        context_fn=ctx_fn)
+    out.mul_(2)
+    (g,) = torch.autograd.grad(e.sum(), x)
+    assert torch.equal(g, torch.autograd.grad(x.sin().exp().sum(), x)[0])
+
+
+def test_function_with_more_than_one_output():
+    def fn(x):
+        var, mean = torch.var_mean(x, dim=0)
+        return (var * mean).exp().sum()
+
+    x = torch.randn(4, 3, requires_grad=True)
+    ctx_fn = _sac([torch.ops.aten.var_mean.correction])
+    out = checkpoint(fn, x, use_reentrant=False, context_fn=ctx_fn)
+    (g,) = torch.autograd.grad(out, x)
+    assert_tree_close(g, torch.autograd.grad(fn(x), x)[0], exact=True)
+
+
+def test_function_with_non_tensor_output():
+    def fn(x):
+        n = x.sum().item()  # a non-tensor output
+        return x.exp() * (1.0 if n == n else 0.0)
+
+    x = torch.randn(3, requires_grad=True)
+    ctx_fn = _sac(lambda ctx, op, *a, **k: tc.CheckpointPolicy.MUST_SAVE)
+    out = checkpoint(fn, x, use_reentrant=False, context_fn=ctx_fn)
+    (g,) = torch.autograd.grad(out.sum(), x)
+    assert torch.equal(g, x.exp())
+
+
+def test_can_only_trigger_recompute_once():
+    def fn(x):
+        return x.sin().exp()
+
+    x = torch.randn(3, requires_grad=True)
+    out = checkpoint(fn, x, use_reentrant=False, context_fn=_sac([torch.ops.aten.sin.default]))
+    out.sum().backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out.sum().backward()
+
+
+def test_remat_error_is_a_runtime_error():
+    # every remat_fn error derives from RuntimeError, like torch's CheckpointError
+    assert issubclass(RematError, RuntimeError)
