@@ -1,6 +1,13 @@
-"""remat_fn: JAX-style rematerialisation (activation checkpointing) for PyTorch."""
+"""remat_fn: JAX-style rematerialisation (activation checkpointing) for PyTorch.
+
+``remat_fn.random``, ``.policies``, ``.compat``, ``.nn`` and ``.distributed`` are
+reachable after ``import remat_fn``; all but ``policies`` load on first use (so
+``import remat_fn`` does not import ``torch.distributed``).
+"""
 
 from __future__ import annotations
+
+import importlib
 
 from . import policies
 from ._residuals import Residual, print_saved_residuals, saved_residuals
@@ -31,3 +38,15 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_LAZY = ("random", "compat", "nn", "distributed", "memory")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from ._autocast import AutocastState
-from ._captures import CaptureMode, MissedCapture, OpTrace, describe, needs_grad
+from ._captures import CaptureMode, MissedCapture, OpTrace, describe, needs_grad, unwrap_all
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._rng_state import RNGSnapshot
 from ._saving import Record, saving
@@ -129,15 +129,24 @@ class _RematFunction(torch.autograd.Function):
                 known.update(id(t) for t in diff)
                 o, rb = spec.call(_replace(tensors, wrt, diff), known)
                 mask = [_is_diff(t) for t in o]
-                box.append((rb, mask))
+                box.append((rb, mask, _saved_storages(o)))
                 return (tuple(t for t, d in zip(o, mask) if d),
                         tuple(t for t, d in zip(o, mask) if not d))
 
             with saving(spec.rec, recompute=False):
                 douts, _, aux = torch.func.vjp(f, *[tensors[i] for i in wrt], has_aux=True)
-            rebuild, mask = box[-1]
+            rebuild, mask, saved = box[-1]
             diff, other = iter(douts), iter(aux)
             outs = tuple(next(diff) if d else next(other) for d in mask)
+            # keep no more than autograd saves (see Record.prune), and the region's
+            # outputs: alive anyway (usually the next region's input), and this
+            # path always recomputes up to them
+            for o in outs:
+                try:
+                    saved.add(unwrap_all(o).untyped_storage().data_ptr())
+                except (RuntimeError, NotImplementedError):
+                    pass
+            spec.rec.prune(saved)
         else:
             with saving(spec.rec, recompute=False):
                 outs, rebuild = spec.call(tensors, known)
@@ -205,6 +214,50 @@ class _RematFunction(torch.autograd.Function):
             _, touts = torch.func.jvp(f, tuple(tensors[i] for i in wrt), tuple(tangents[i] for i in wrt))
         it = iter(touts)
         return tuple(next(it) if d else None for d in out_diff)
+
+
+_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
+
+
+def _saved_storages(outs) -> set[int]:
+    """Storages of the tensors autograd saved in the graph behind ``outs``.
+
+    Saved-tensor hooks are refused under torch.func, so the graph the policy
+    forward built (under its vjp level) is walked instead: every node exposes
+    what it saved as ``_saved_*`` attributes.
+    """
+    found: set[int] = set()
+    seen: set[int] = set()
+    stack = [o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        names = _SAVED_ATTRS.get(type(node))
+        if names is None:
+            names = _SAVED_ATTRS[type(node)] = tuple(
+                a for a in dir(node) if a.startswith("_saved_"))
+        for a in names:
+            try:
+                v = getattr(node, a)
+            except RuntimeError:  # released, or not a tensor slot
+                continue
+            for t in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(t, torch.Tensor):
+                    try:
+                        found.add(unwrap_all(t).untyped_storage().data_ptr())
+                    except (RuntimeError, NotImplementedError):
+                        pass
+        if hasattr(node, "saved_tensors"):  # custom autograd.Function nodes
+            try:
+                for t in node.saved_tensors:
+                    if isinstance(t, torch.Tensor):
+                        found.add(unwrap_all(t).untyped_storage().data_ptr())
+            except RuntimeError:
+                pass
+        stack.extend(n for n, _ in node.next_functions)
+    return found
 
 
 def _input_views(outs, tensors) -> dict[int, tuple]:

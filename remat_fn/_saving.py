@@ -111,11 +111,23 @@ def normalize_policy(policy):
         return None
     if isinstance(policy, (list, tuple, set, frozenset)):
         return _OpList(policy)
+    if isinstance(policy, str):
+        hint = (f" Fix: policy=remat_fn.policies.{policy}" if callable(getattr(policies, policy, None))
+                else " Fix: pass a policy object, e.g. remat_fn.policies.dots_saveable")
+        raise PolicyError(f"policy must be a policy object, not the string {policy!r}.{hint}.")
+    if isinstance(policy, type):
+        # a parameterised policy class passed without calling it
+        raise PolicyError(
+            f"policy={policy.__name__} is a policy factory, not a policy: call it with its "
+            f"arguments, e.g. policy=remat_fn.policies.{policy.__name__}(...)"
+            + (" with the names to save." if "names" in policy.__name__ else ".")
+        )
     if callable(policy):
         return policy
     raise PolicyError(
         f"policy must be None, a callable policy(ctx, op, *args, **kwargs) (e.g. one of "
-        f"remat_fn.policies) or a list of aten ops; got {policy!r}"
+        f"remat_fn.policies) or a list of aten ops; got {type(policy).__name__} {policy!r}. "
+        "Fix: pass e.g. policy=remat_fn.policies.dots_saveable."
     )
 
 
