@@ -13,6 +13,7 @@ from . import policies
 from ._residuals import Residual, print_saved_residuals, saved_residuals
 from ._saving import checkpoint_name
 from ._debug import set_debug_enabled
+from ._profile import Profile, RegionStats, profile
 from ._errors import MutatedSavedTensorError, PolicyError, RecomputeMismatchError, RematError
 from ._structured import remat_scan, remat_sequential
 from ._transform import checkpoint, remat
@@ -35,6 +36,9 @@ __all__ = [
     "MutatedSavedTensorError",
     "PolicyError",
     "set_debug_enabled",
+    "profile",
+    "Profile",
+    "RegionStats",
 ]
 
 __version__ = "0.1.0"

@@ -15,6 +15,7 @@ function on the real (non-detached) inputs, tensors the function closes over,
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from typing import Any
 
@@ -22,6 +23,7 @@ import optree
 import torch
 
 from ._autocast import AutocastState
+from ._profile import active, storage_bytes, timer
 from ._captures import mutated_input, scan
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._rng_state import RNGSnapshot
@@ -93,7 +95,7 @@ class _Frame:
     __slots__ = (
         "fun", "args", "kwargs", "name", "rng", "meta", "handles", "recomputed",
         "debug", "fwd_trace", "scan", "stash", "rec", "autocast", "in_forward", "strict",
-        "input_ids", "outer", "nhandles", "saved_ptrs", "inner_backward",
+        "input_ids", "outer", "nhandles", "saved_ptrs", "inner_backward", "prof", "prof_saved",
     )
 
     def __init__(self, fun, args, kwargs, name, debug):
@@ -121,6 +123,8 @@ class _Frame:
         # that has not finished; those are recomputed one at a time.
         self.in_forward = True
         self.inner_backward = False  # set once a backward ran inside the forward
+        self.prof = None  # the remat_fn.profile() active at forward, if any
+        self.prof_saved: list | None = None  # (saved tensor, kept as is), while profiling
         self.input_ids: set[int] = set()  # ids of the region's tensor arguments
         self.outer = None  # the enclosing saved-tensor hooks, if any
         self.nhandles = 0  # saved tensors that need recomputation
@@ -149,6 +153,12 @@ class _Frame:
     # -- forward -------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
         self.meta.append((t.shape, t.dtype, t.device, t._version))
+        packed = self._pack(t)
+        if self.prof_saved is not None:
+            self.prof_saved.append((t, type(packed) is _Direct))
+        return packed
+
+    def _pack(self, t: torch.Tensor) -> Any:
         rec = self.rec
         if rec is not None:
             ptr = _ptr(t)
@@ -196,6 +206,16 @@ class _Frame:
             needed = [i for i, w in enumerate(handles) if i not in recomputed and w() is not None]
         if not needed:  # pragma: no cover - unpack only happens for live handles
             return
+        if self.prof is not None:
+            with timer() as tm:
+                self._recompute(target, needed)
+            self.prof.record_recompute(self.name, tm.seconds)
+        else:
+            self._recompute(target, needed)
+
+    def _recompute(self, target, needed) -> None:
+        handles = self.handles
+        recomputed = self.recomputed
         last = needed[-1]
         early = target is not None or not self.strict
         inner = self.inner_backward
@@ -315,6 +335,9 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
     the forward's tensors (``debug`` implies it and also compares op traces)."""
     frame = _Frame(fun, args, kwargs, name, debug)
     frame.strict = strict or debug
+    prof = active()
+    if prof is not None:
+        frame.prof, frame.prof_saved, start = prof, [], time.perf_counter()
     outer = _top_hooks(False)
     frame.outer = outer
     leaves = optree.tree_leaves((args, kwargs), none_is_leaf=True)
@@ -382,4 +405,18 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
     frame.saved_ptrs = None
     if snap is not None and snap.finish():
         frame.rng = snap
+    if prof is not None:
+        _report(frame, prof, start, in_versions)
     return out
+
+
+def _report(frame: _Frame, prof, start: float, in_versions) -> None:
+    """One call for remat_fn.profile(): time, bytes kept, bytes plain autograd keeps."""
+    seconds = time.perf_counter() - start
+    saved, frame.prof_saved = frame.prof_saved, None
+    kept = [t for t, direct in saved if direct]  # what autograd holds as is (see _Frame.pack)
+    if frame.nhandles:  # the region may be recomputed: it holds its inputs
+        kept += [x for x, _ in in_versions]
+    if frame.rec is not None:
+        kept += [t for _, _, t, _, _ in frame.rec.kept()]
+    prof.record_call(frame.name, seconds, storage_bytes(kept), storage_bytes(t for t, _ in saved))

@@ -23,11 +23,13 @@ so when a functorch transform is active the region runs inside
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable
 
 import torch
 
 from ._autocast import AutocastState
+from ._profile import active, storage_bytes
 from ._captures import CaptureMode, MissedCapture, OpTrace, describe, needs_grad, unwrap_all
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._rng_state import RNGSnapshot
@@ -47,7 +49,8 @@ class _Spec:
     """Everything the Function needs that is not a tensor input."""
 
     __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "scan",
-                 "fwd_hits", "rec", "needs", "trace", "views", "autocast", "produced")
+                 "fwd_hits", "rec", "needs", "trace", "views", "autocast", "produced", "prof",
+                 "plain_bytes")
 
     def __init__(self, run, n_in, captured, name, debug, scan):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -66,6 +69,8 @@ class _Spec:
         self.views: dict[int, tuple] = {}  # output index -> (input index, size, stride, offset)
         self.autocast = AutocastState()  # re-entered by the recomputation
         self.produced: set[int] | None = None  # see CaptureMode
+        self.prof = None  # the remat_fn.profile() active at forward, if any
+        self.plain_bytes = 0  # what plain autograd would save (measured while profiling)
 
     def call(self, tensors, known: set[int] | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
@@ -115,9 +120,10 @@ class _RematFunction(torch.autograd.Function):
     @staticmethod
     def forward(spec: _Spec, *tensors: torch.Tensor):
         known = {id(t) for t in tensors}
-        wrt = [i for i, n in enumerate(spec.needs) if n] if spec.rec is not None else []
+        wrt = [i for i, n in enumerate(spec.needs) if n] if spec.needs else []
         if wrt:
-            # With a policy, run the forward the way backward will recompute it
+            # With a policy (or while profiling, to see what autograd would save),
+            # run the forward the way backward will recompute it
             # (under a vjp level), so that ops whose decomposition depends on
             # requires_grad (matmul folding, linear on 3-D inputs, ...) appear in
             # the same order and the kept outputs can be replayed.
@@ -138,15 +144,18 @@ class _RematFunction(torch.autograd.Function):
             rebuild, mask, saved = box[-1]
             diff, other = iter(douts), iter(aux)
             outs = tuple(next(diff) if d else next(other) for d in mask)
-            # keep no more than autograd saves (see Record.prune), and the region's
-            # outputs: alive anyway (usually the next region's input), and this
-            # path always recomputes up to them
-            for o in outs:
-                try:
-                    saved.add(unwrap_all(o).untyped_storage().data_ptr())
-                except (RuntimeError, NotImplementedError):
-                    pass
-            spec.rec.prune(saved)
+            spec.plain_bytes = sum(saved.values())
+            if spec.rec is not None:
+                # keep no more than autograd saves (see Record.prune), and the
+                # region's outputs: alive anyway (usually the next region's input),
+                # and this path always recomputes up to them
+                keep = set(saved)
+                for o in outs:
+                    try:
+                        keep.add(unwrap_all(o).untyped_storage().data_ptr())
+                    except (RuntimeError, NotImplementedError):
+                        pass
+                spec.rec.prune(keep)
         else:
             with saving(spec.rec, recompute=False):
                 outs, rebuild = spec.call(tensors, known)
@@ -195,8 +204,11 @@ class _RematFunction(torch.autograd.Function):
 
         f = _recompute_fn(spec, tensors, wrt, out_diff)
         with torch.no_grad() if detach else contextlib.nullcontext(), spec.rng or _NULL, spec.autocast:
+            start = time.perf_counter()
             with saving(spec.rec, recompute=True):
                 _, vjp_fn = torch.func.vjp(f, *[tensors[i] for i in wrt])
+            if spec.prof is not None:
+                spec.prof.record_recompute(spec.name, time.perf_counter() - start)
             gin = vjp_fn(cot)
         for i, g in zip(wrt, gin):
             result[i + 1] = g
@@ -219,14 +231,14 @@ class _RematFunction(torch.autograd.Function):
 _SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
 
 
-def _saved_storages(outs) -> set[int]:
-    """Storages of the tensors autograd saved in the graph behind ``outs``.
+def _saved_storages(outs) -> dict[int, int]:
+    """Storages (pointer -> bytes) of the tensors autograd saved in the graph behind ``outs``.
 
     Saved-tensor hooks are refused under torch.func, so the graph the policy
     forward built (under its vjp level) is walked instead: every node exposes
     what it saved as ``_saved_*`` attributes.
     """
-    found: set[int] = set()
+    found: dict[int, int] = {}
     seen: set[int] = set()
     stack = [o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
     while stack:
@@ -245,19 +257,24 @@ def _saved_storages(outs) -> set[int]:
                 continue
             for t in (v if isinstance(v, (tuple, list)) else (v,)):
                 if isinstance(t, torch.Tensor):
-                    try:
-                        found.add(unwrap_all(t).untyped_storage().data_ptr())
-                    except (RuntimeError, NotImplementedError):
-                        pass
+                    _note_storage(found, t)
         if hasattr(node, "saved_tensors"):  # custom autograd.Function nodes
             try:
                 for t in node.saved_tensors:
                     if isinstance(t, torch.Tensor):
-                        found.add(unwrap_all(t).untyped_storage().data_ptr())
+                        _note_storage(found, t)
             except RuntimeError:
                 pass
         stack.extend(n for n, _ in node.next_functions)
     return found
+
+
+def _note_storage(found: dict[int, int], t: torch.Tensor) -> None:
+    try:
+        st = unwrap_all(t).untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return
+    found.setdefault(st.data_ptr(), st.nbytes())
 
 
 def _input_views(outs, tensors) -> dict[int, tuple]:
@@ -393,6 +410,8 @@ def functional_call(
         policy = policy.plan_functorch(spec_run, inputs, captured)
     snap = RNGSnapshot(devices) if preserve_rng_state else None
     produced = None  # storages made inside the region (recorded on retries only)
+    prof = active()
+    start = time.perf_counter() if prof is not None else 0.0
     for attempt in range(_MAX_RETRIES + 1):
         if attempt == _MAX_RETRIES:
             raise RematError(
@@ -405,7 +424,9 @@ def functional_call(
         spec.produced = produced
         if policy is not None:
             spec.rec = Record(policy)
+        if policy is not None or prof is not None:
             spec.needs = [needs_grad(t) and _is_diff(t) for t in (*inputs, *captured)]
+        spec.prof = prof
         try:
             outs = _RematFunction.apply(spec, *inputs, *captured)
         except MissedCapture as e:
@@ -430,6 +451,11 @@ def functional_call(
     if snap is not None and snap.finish():
         spec.rng = snap
     scan.record_versions(inputs)
+    if prof is not None:
+        kept = [*inputs, *captured]
+        if spec.rec is not None:
+            kept += [t for _, _, t, _, _ in spec.rec.kept()]
+        prof.record_call(name, time.perf_counter() - start, storage_bytes(kept), spec.plain_bytes)
     if spec.views:
         every = (*inputs, *captured)
         outs = list(outs)

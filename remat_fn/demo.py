@@ -242,7 +242,8 @@ def _progress(total: int, desc: str):
 
 
 def train(model: GPT, cfg: Config, steps: int, seed: int, log: Callable[[str], None] = print):
-    """Train with remat on every block; returns (params, list of losses, seconds)."""
+    """Train with remat on every block; returns (params, list of losses, seconds, the
+    remat_fn.profile() of the last step)."""
     torch.manual_seed(seed)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     state: dict = {}
@@ -256,7 +257,11 @@ def train(model: GPT, cfg: Config, steps: int, seed: int, log: Callable[[str], N
     for step in range(1, steps + 1):
         key, k_data, k_drop = rnd.split(key, 3)
         inputs, targets, mask = make_batch(k_data, cfg)
-        grads, loss = step_fn(params, inputs, targets, mask, k_drop)
+        if step == steps:  # what each region did in one step
+            with remat_fn.profile() as prof:
+                grads, loss = step_fn(params, inputs, targets, mask, k_drop)
+        else:
+            grads, loss = step_fn(params, inputs, targets, mask, k_drop)
         warm = min(1.0, step / 20)
         params, state = adamw(params, grads, state, step, lr=cfg.lr * warm)
         losses.append(loss.item())
@@ -269,7 +274,7 @@ def train(model: GPT, cfg: Config, steps: int, seed: int, log: Callable[[str], N
                 f"  ({time.perf_counter() - t0:.1f} s)")
     if bar is not None:
         bar.close()
-    return params, losses, time.perf_counter() - t0
+    return params, losses, time.perf_counter() - t0, prof
 
 
 # ---------------------------------------------------------------------------
@@ -521,12 +526,14 @@ def main(argv: list[str] | None = None) -> dict:
           f"{nparams / 1e3:.0f}k parameters; task: reverse {cfg.digits} digits, batch {cfg.batch}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, python {platform.python_version()}")
 
-    params, losses, secs = train(model, cfg, args.steps, args.seed)
+    params, losses, secs, prof = train(model, cfg, args.steps, args.seed)
     k = max(1, min(10, len(losses) // 5))
     acc = accuracy(model, params, cfg, rnd.key(args.seed + 12345))
     print(f"loss {statistics.fmean(losses[:k]):.3f} -> {statistics.fmean(losses[-k:]):.3f} in "
           f"{args.steps} steps ({secs:.1f} s, {secs / args.steps * 1e3:.1f} ms/step); "
           f"exact-match accuracy of greedy reversal {acc:.0%}")
+    print("\nremat_fn.profile() of the last training step (torch.func.grad_and_value), per region:\n")
+    print(prof)
 
     rows = variants()
     missing = [name for _, name, _ in POLICY_ROWS if getattr(remat_fn.policies, name, None) is None]

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.utils.checkpoint as tc
-from torch.func import grad, jacrev, vmap
+from torch.func import functional_call, grad, jacrev, vmap
 
 import remat_fn
 from remat_fn.compat import checkpoint, checkpoint_sequential
@@ -356,3 +356,77 @@ def test_functional_call_grad_with_dropout_and_kwargs():
     ref = vg(params, x, False)
     torch.manual_seed(4)
     assert_tree_close(vg(params, x, True), ref, rtol=1e-5, atol=1e-6)
+
+
+# -- torch's checkpoint_wrapper / apply_activation_checkpointing --------------------
+class _Blk(torch.nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.lin1, self.lin2 = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.lin2(torch.tanh(self.lin1(x)))
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, n=3, d=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(_Blk(d) for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.pow(2).mean()
+
+
+def _wrapped(mode):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    model, calls = _Model(), [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return checkpoint(*args, **kwargs)
+
+    if mode == "apply":
+        apply_activation_checkpointing(
+            model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_fn=counted),
+            check_fn=lambda m: isinstance(m, _Blk))
+    else:
+        for i, b in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(b, checkpoint_fn=counted)
+    return model, calls
+
+
+@pytest.mark.parametrize("mode", ["checkpoint_wrapper", "apply"])
+def test_checkpoint_wrapper_eager_training_equals_no_checkpointing(mode):
+    x = torch.randn(4, 8)
+    ref = _Model()
+    model, calls = _wrapped(mode)
+    for m in (ref, model):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        for _ in range(3):
+            opt.zero_grad()
+            m(x).backward()
+            opt.step()
+    assert calls[0] == 3 * 3
+    assert_tree_close([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()],
+                      exact=True)
+
+
+@pytest.mark.parametrize("mode", ["checkpoint_wrapper", "apply"])
+def test_checkpoint_wrapper_under_functional_call_and_grad(mode):
+    x = torch.randn(4, 8)
+    ref = _Model()
+    model, calls = _wrapped(mode)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    ref_params = {k: v.detach() for k, v in ref.named_parameters()}
+    g = grad(lambda p: functional_call(model, p, (x,)))(params)
+    g_ref = grad(lambda p: functional_call(ref, p, (x,)))(ref_params)
+    assert calls[0] == 3
+    strip = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in g.items()}
+    assert_tree_close(strip, g_ref, exact=True)

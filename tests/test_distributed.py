@@ -10,6 +10,7 @@ rank fails the test with its traceback.
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
 import json
 import os
@@ -378,6 +379,41 @@ def sc_fsdp2(rank, world, out):
     _equal(train(rd.remat, False, False), ref)
 
 
+def sc_checkpoint_wrapper_fsdp2(rank, world, out):
+    """torch's apply_activation_checkpointing (the FSDP2 / torchtitan pattern) with
+    checkpoint_fn=remat_fn.compat.checkpoint: FSDP2 steps equal steps without
+    checkpointing, and the blocks really went through remat_fn."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    x = _data(12, 16, seed=5)
+    calls = [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return remat_fn.compat.checkpoint(*args, **kwargs)
+
+    def train(ckpt):
+        model = _Net(None)
+        if ckpt:
+            apply_activation_checkpointing(
+                model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_fn=counted),
+                check_fn=lambda m: isinstance(m, _Block))
+        for b in model.blocks:
+            fully_shard(b)
+        fully_shard(model)
+        _step(model, x)
+        _step(model, x)
+        return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+    ref = train(False)
+    _equal(train(True), ref)
+    assert calls[0] == 2 * 4, calls
+
+
 def sc_policy(rank, world, out):
     """Values a policy saves (dots_saveable: the matmul outputs) are partitioned too."""
     ws, x = _params(), _data().requires_grad_()
@@ -400,7 +436,7 @@ def sc_policy(rank, world, out):
 SCENARIOS = {f.__name__[3:]: f for f in (
     sc_policy,
     sc_grads, sc_memory, sc_uneven, sc_backward_twice, sc_not_replicated, sc_torch_func,
-    sc_nesting, sc_small_groups, sc_fold_in, sc_ddp, sc_fsdp2,
+    sc_nesting, sc_small_groups, sc_fold_in, sc_ddp, sc_fsdp2, sc_checkpoint_wrapper_fsdp2,
 )}
 
 
@@ -466,7 +502,8 @@ def _write_ref(out, rows, d, n, dtype):
 def test_two_ranks(tmp_path):
     _write_ref(tmp_path, ROWS, D, NBLOCKS, torch.float32)
     _spawn(2, ["grads", "memory", "uneven", "backward_twice", "not_replicated", "torch_func",
-               "nesting", "small_groups", "fold_in", "ddp", "fsdp2", "policy"], tmp_path)
+               "nesting", "small_groups", "fold_in", "ddp", "fsdp2", "policy",
+               "checkpoint_wrapper_fsdp2"], tmp_path)
     for r in range(2):
         with open(tmp_path / f"memory{r}.json") as f:
             m = json.load(f)

@@ -257,7 +257,10 @@ def test_checkpoint_non_tensor_inputs_outputs():
     t1.grad = t2.grad = None
     res = _foo(t1, t2, scale, t3)
     torch.autograd.backward([res[1].sum(), res[4].sum(), res[6].sum()])
-    assert torch.equal(t1.grad, t1_grad) and torch.equal(t2.grad, t2_grad)
+    # three backward calls vs one: accumulation order differs (torch's test compares
+    # with tolerance too)
+    torch.testing.assert_close(t1.grad, t1_grad)
+    torch.testing.assert_close(t2.grad, t2_grad)
 
 
 def test_checkpoint_no_tensors():
