@@ -140,7 +140,7 @@ def main():
     print("| ranks | variant | live after fwd / rank (MiB) | vs remat | step (ms) | extra / step (ms) "
           "| saved (MiB) | extra ms per MiB saved |")
     print("|---|---|---|---|---|---|---|---|")
-    for world, res, gather_s, nbytes in rows:
+    for world, res, _gather_s, _nbytes in rows:
         base_live, base_t = res["remat"]
         for name, (live, t) in res.items():
             saved = (base_live - live) / MiB
@@ -150,7 +150,7 @@ def main():
                   f"| {extra:+.1f} | {saved:.2f} | {per} |")
     print("\n| ranks | one all-gather of a " f"{act:.2f} MiB activation (ms) | GB/s (output bytes) |")
     print("|---|---|---|")
-    for world, res, gather_s, nbytes in rows:
+    for world, _res, gather_s, nbytes in rows:
         print(f"| {world} | {gather_s * 1e3:.2f} | {nbytes / gather_s / 1e9:.2f} |")
 
 

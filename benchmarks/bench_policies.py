@@ -19,10 +19,12 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint as torch_ckpt, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint as torch_ckpt
 
 import remat_fn
-from remat_fn import checkpoint_name, policies as P
+from remat_fn import checkpoint_name
+from remat_fn import policies as P
 from remat_fn.memory import LiveBytes, MiB
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.func import grad, vmap
+from torch.func import vmap
 
 from remat_fn import random as rnd
 

@@ -67,7 +67,7 @@ def main(small: bool = False):
     # 2. top eigenvalue of the full Hessian by power iteration
     v = {k: torch.randn_like(t) for k, t in params.items()}
     lam = 0.0
-    for i in range(iters):
+    for _ in range(iters):
         norm = torch.sqrt(sum(t.pow(2).sum() for t in v.values()))
         v = {k: t / norm for k, t in v.items()}
         hv = hvp(loss, params, v)

@@ -312,7 +312,7 @@ def scan(fn: Any) -> Scan:
         if isinstance(d, dict):
             for k, v in d.items():
                 visit(v, depth + 1, d if isinstance(v, torch.Tensor) else None, k)
-            call = getattr(type(obj), "__call__", None)
+            call = type(obj).__dict__.get("__call__") or getattr(type(obj), "__call__", None)  # noqa: B004
             if isinstance(call, types.FunctionType):
                 visit(call, depth + 1)
 

@@ -23,9 +23,9 @@ import optree
 import torch
 
 from ._autocast import AutocastState
-from ._profile import active, storage_bytes, timer
 from ._captures import mutated_input, scan
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
+from ._profile import active, storage_bytes, timer
 from ._rng_state import RNGSnapshot
 from ._saving import Record, forward_mode_active, paused, saving
 

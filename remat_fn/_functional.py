@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ._autocast import AutocastState
-from ._profile import active, storage_bytes
 from ._captures import CaptureMode, MissedCapture, OpTrace, describe, needs_grad, unwrap_all
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
+from ._profile import active, storage_bytes
 from ._rng_state import RNGSnapshot
 from ._saving import Record, saving
 

@@ -119,8 +119,9 @@ def saved_residuals(fun: Any, *args: Any, **kwargs: Any) -> list[Residual]:
             "saved_residuals runs the function with eager autograd; call it outside "
             "torch.func transforms (it reports what each region keeps in either mode)."
         )
-    flat, _, spec = optree.tree_flatten_with_path((args, kwargs), none_is_leaf=True)
-    leaves = optree.tree_leaves((args, kwargs), none_is_leaf=True)
+    tree: Any = (args, kwargs)
+    flat, _, spec = optree.tree_flatten_with_path(tree, none_is_leaf=True)
+    leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=True)
     new_leaves = []
     arg_src: dict[int, str] = {}
     for path, x in zip(flat, leaves):
@@ -132,7 +133,7 @@ def saved_residuals(fun: Any, *args: Any, **kwargs: Any) -> list[Residual]:
             x = y
         new_leaves.append(x)
     a, kw = optree.tree_unflatten(spec, new_leaves)
-    closures = {}
+    closures: dict[int, torch.Tensor] = {}
     sc = scan(fun)
     for t in sc.tensors.values():
         try:
@@ -174,15 +175,16 @@ def saved_residuals(fun: Any, *args: Any, **kwargs: Any) -> list[Residual]:
         if ptr in seen:
             continue
         seen.add(ptr)
-        common = dict(shape=tuple(t.shape), dtype=t.dtype, device=t.device, nbytes=st.nbytes())
+        def residual(kind: str, name: str | None, op: str | None, source: str | None) -> Residual:
+            return Residual(tuple(t.shape), t.dtype, t.device, st.nbytes(), kind, name, op, source)
+
         if ptr in arg_src:
-            res.append(Residual(**common, kind="argument", name=None, op=None, source=arg_src[ptr]))
+            res.append(residual("argument", None, None, arg_src[ptr]))
         elif ptr in closures:
-            res.append(Residual(**common, kind="closure", name=None, op=None,
-                                source=sc.labels.get(id(closures[ptr]), "a closed-over tensor")))
+            res.append(residual("closure", None, None, sc.labels.get(id(closures[ptr]), "a closed-over tensor")))
         else:
             op, src = prod.by_storage.get(ptr, (None, None))
-            res.append(Residual(**common, kind="saved", name=names.get(ptr), op=op, source=src))
+            res.append(residual("saved", names.get(ptr), op, src))
     for ptr, t in prod.used.items():  # closures a region uses (kept for its recompute)
         if ptr in seen:
             continue

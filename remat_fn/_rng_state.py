@@ -80,7 +80,7 @@ class RNGSnapshot:
         for d, s in self.devices:  # pragma: no cover - needs an accelerator
             _device_state_api(d).set_rng_state(s, d)
 
-    def __enter__(self) -> "RNGSnapshot":
+    def __enter__(self) -> RNGSnapshot:
         """Install the snapshot, remembering the caller's states."""
         self._saved_cpu = torch.get_rng_state() if self.cpu is not None else None
         self._saved_dev = []

@@ -23,7 +23,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ._captures import describe, unwrap_all as _base
+from ._captures import describe
+from ._captures import unwrap_all as _base
 from ._errors import MutatedSavedTensorError, PolicyError, RecomputeMismatchError
 from ._residuals import residual_sink
 from .policies import NAMED, Offload

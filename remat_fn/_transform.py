@@ -17,8 +17,8 @@ import torch
 
 from ._captures import entered
 from ._debug import checks
-from ._errors import RematError
 from ._eager import NeedsFunctionPath, eager_call
+from ._errors import RematError
 from ._functional import functional_call
 from ._pytree import flatten_output
 from ._rng_state import devices_of

@@ -147,7 +147,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab)
         self._calls: list[Callable] = list(self.blocks)
 
-    def set_variant(self, kind: str, policy: Any = None) -> "GPT":
+    def set_variant(self, kind: str, policy: Any = None) -> GPT:
         """``kind``: ``"none"`` (plain), ``"torch"`` (``torch.utils.checkpoint``) or
         ``"remat"`` (``remat_fn.remat(block, policy=policy)``)."""
         if kind == "none":

@@ -116,7 +116,7 @@ class LiveBytes:
         gc.collect()
         self._c.peak = self._c.live
 
-    def __enter__(self) -> "LiveBytes":
+    def __enter__(self) -> LiveBytes:
         gc.collect()
         self._mode = _Mode(self._c)
         self._mode.__enter__()

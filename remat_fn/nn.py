@@ -28,7 +28,7 @@ _CLASSES: dict[type, type] = {}
 _POLICY_ATTR = "_remat_fn_policy"
 
 
-def _make_class(cls: type) -> type:
+def _make_class(cls: type[torch.nn.Module]) -> type:
     sub = _CLASSES.get(cls)
     if sub is not None:
         return sub

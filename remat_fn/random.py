@@ -50,7 +50,7 @@ from __future__ import annotations
 import numbers
 import operator
 from collections.abc import Sequence
-from typing import Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor
@@ -70,8 +70,8 @@ __all__ = [
     "Dropout",
 ]
 
-Shape = Union[int, Sequence[int], torch.Size]
-DeviceLike = Union[torch.device, str, int, None]
+Shape = Union[int, Sequence[int], torch.Size]  # noqa: UP007 (a runtime alias on Python 3.10)
+DeviceLike = Union[torch.device, str, int, None]  # noqa: UP007
 
 _MASK32 = _impl.MASK32
 _CPU = torch.device("cpu")
@@ -565,15 +565,15 @@ def _check_float(value: object, fn: str, name: str) -> float:
 
 
 def _check_shape(shape: object, fn: str) -> tuple[int, ...]:
-    dims = (shape,) if _is_int(shape) and not isinstance(shape, Tensor) else shape
+    dims: Any = (shape,) if _is_int(shape) and not isinstance(shape, Tensor) else shape
     try:
-        dims = tuple(dims)  # type: ignore[arg-type]
+        dims = tuple(dims)
     except TypeError:
         raise TypeError(
             f"remat_fn.random.{fn}: shape must be an int or a sequence of ints, got "
             f"{type(shape).__name__}."
         ) from None
-    out = []
+    out: list[Any] = []
     for d in dims:
         if isinstance(d, bool) or not _is_int(d) or isinstance(d, Tensor):
             raise TypeError(

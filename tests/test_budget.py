@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.func import grad
 
-from remat_fn import policies as P, remat
+from remat_fn import policies as P
+from remat_fn import remat
 from remat_fn._budget import solve
 from remat_fn._transform import _Budgeted
 from remat_fn.memory import LiveBytes

@@ -7,8 +7,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 
 def run(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")

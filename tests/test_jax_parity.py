@@ -28,6 +28,8 @@ from remat_fn import (
 
 from ._util import assert_tree_close
 
+SQRT_HALF = 1 / math.sqrt(2)
+
 REMATS = {
     "": remat,
     "_policy": lambda f=None, **kw: remat(f, policy=lambda *_, **__: False, **kw)
@@ -281,12 +283,12 @@ def test_remat_nontrivial_env(name):
         u_t = u_t + u_tt * dt
         return (u, u_t)
 
-    def multi_step(state, count, dt=1 / math.sqrt(2), c=1):
+    def multi_step(state, count, dt=SQRT_HALF, c=1):
         for _ in range(count):
             state = foo(state, dt, c)
         return state
 
-    def loss(u0, target, steps, dt=1 / math.sqrt(2), c=1):
+    def loss(u0, target, steps, dt=SQRT_HALF, c=1):
         init = (u0, torch.zeros_like(u0))
         uf, _ = multi_step(init, steps, dt, c)
         return ((uf - target) ** 2).mean()

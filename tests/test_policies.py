@@ -9,7 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 import remat_fn
-from remat_fn import PolicyError, checkpoint_name, policies as P, remat
+from remat_fn import PolicyError, checkpoint_name, remat
+from remat_fn import policies as P
 
 from ._util import assert_tree_close
 

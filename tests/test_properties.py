@@ -195,9 +195,9 @@ ACTS = [torch.nn.Tanh, torch.nn.GELU, torch.nn.Sigmoid, torch.nn.SiLU]
        seed=st.integers(0, 10_000))
 def test_random_modules_functional_call(widths, acts, pol, transform, seed):
     """Random MLPs; every layer rematerialised; parameters swapped in by functional_call."""
-    from torch.func import functional_call
 
-    from remat_fn import checkpoint_name, policies as P
+    from remat_fn import checkpoint_name
+    from remat_fn import policies as P
 
     torch.manual_seed(seed)
     layers = []

@@ -18,7 +18,6 @@ from pathlib import Path
 import optree
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.func import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, vjp, vmap
@@ -201,7 +200,7 @@ outs = [rnd.uniform(ks[0], (1000,)), rnd.normal(ks[1], (1000,), dtype=torch.floa
         rnd.bernoulli(rnd.fold_in(k, 10), 0.5, (64,)), ks]
 h = hashlib.sha256()
 for o in outs:
-    h.update(o.contiguous().view(torch.uint8).numpy().tobytes())
+    h.update(bytes(o.contiguous().view(torch.uint8).flatten().tolist()))
 print(h.hexdigest())
 """
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import remat_fn
-from remat_fn import checkpoint_name, policies as P, remat, saved_residuals
+from remat_fn import checkpoint_name, remat, saved_residuals
+from remat_fn import policies as P
 from remat_fn.memory import LiveBytes
 
 W1 = torch.randn(32, 32)

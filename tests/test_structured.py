@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import optree
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -200,7 +199,7 @@ def test_scan_length_errors():
     assert shapes(ys, 0) == shapes(ys1, 0) and optree.tree_leaves(shapes(ys, 0))
 
 
-def _dp_evaluations(n, c, memo={}):
+def _dp_evaluations(n, c, memo={}):  # noqa: B006 - the memo is the point
     """Brute-force minimum over all split choices (independent of the closed form)."""
     if n == 1:
         return 1

@@ -547,12 +547,12 @@ def test_access_saved_tensor_twice_without_recomputation_works():
     assert count[0] == 1
     saved = d.grad_fn._saved_result  # recomputes outside backward
     assert count[0] == 2 and torch.equal(saved, d)
-    d.grad_fn._saved_result  # and again
+    _ = d.grad_fn._saved_result  # and again
     assert count[0] == 3
     d.sum().backward()
     assert count[0] == 4
     with pytest.raises(RuntimeError, match="after they have already been freed"):
-        d.grad_fn._saved_result
+        _ = d.grad_fn._saved_result
 
 
 @pytest.mark.parametrize("input_requires_grad", [True, False])

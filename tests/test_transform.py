@@ -61,10 +61,10 @@ def test_pytree_inputs_and_outputs_mixed_leaves():
     assert_tree_close(rf(tree, 2.0, extra=extra), f(tree, 2.0, extra=extra), exact=True)
 
     def loss(fn):
-        def l(tree, extra):
+        def loss_(tree, extra):
             out = fn(tree, 2.0, extra=extra)
             return out["sum"].sum() + out["list"][0].sum() + out["pt"].x.sum()
-        return l
+        return loss_
 
     assert_tree_close(grad(loss(rf), argnums=(0, 1))(tree, extra), grad(loss(f), argnums=(0, 1))(tree, extra))
     # eager
@@ -86,11 +86,11 @@ def test_integer_and_non_tensor_outputs_under_grad():
     rf = remat(f)
     x = torch.randn(5)
     def loss(fn):
-        def l(x):
+        def loss_(x):
             s, i, label, none = fn(x)
             assert label == "label" and none is None
             return s, i
-        return l
+        return loss_
 
     g1, aux1 = grad(loss(f), has_aux=True)(x)
     g2, aux2 = grad(loss(rf), has_aux=True)(x)
