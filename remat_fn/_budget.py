@@ -1,30 +1,40 @@
 """``memory_budget(fraction)``: choose what to save by solving a 0-1 knapsack.
 
-On the first call of a region for given input shapes/dtypes, :func:`measure`
-runs the region once on detached copies of its inputs, in a worker thread
-(functorch levels and disabled saved-tensor hooks are thread-local, so this
-works under ``torch.func`` too), and records for every op its output bytes,
-its recompute cost (FLOPs for matmul-like ops, output elements otherwise) and
-whether plain autograd would save its output.  The bytes plain autograd would
-keep are the reference ``B``; :func:`solve` then picks the ops to save, with
-total bytes <= ``fraction * B``, that maximise the recompute cost avoided.
-The plan (a set of op keys) is cached per input signature.
+There is no separate measuring pass.  The first call of a region for a given
+plan key runs under :class:`Measuring`, a policy that keeps every op output
+and records its bytes and recompute cost (FLOPs for matmul-like ops, output
+elements otherwise).  When the forward ends, the region knows which of those
+outputs autograd saved (saved-tensor hooks in eager mode, the graph's saved
+tensors under ``torch.func``); their bytes are the reference ``B``, and
+:func:`solve` picks the ops to save, with total bytes <= ``fraction * B``, that
+maximise the recompute cost avoided.  The region then drops every kept value
+outside the plan, so even the first call ends up keeping only what the plan
+says; later calls use the plan directly.  Nothing runs twice: no extra draw
+from any RNG, no extra graph, no worker thread.
+
+Plans live in one bounded, process-wide cache keyed by what determines them:
+the function's code (and the shapes of the tensors it closes over, or of a
+module's parameters), the shapes, dtypes and devices of the inputs, the
+autograd path and the fraction.  A ``remat`` built anew for every call (as
+``remat_fn.compat`` and Hugging Face's hook do) finds its plan there.  The
+cache holds no tensors.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
 import threading
-from collections.abc import Callable
+import types
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .policies import DOT_OPS, NAMED
 
-__all__ = ["Plan", "measure", "solve", "op_cost"]
+__all__ = ["Plan", "Measuring", "BudgetPlanner", "solve", "op_cost", "make_plan", "stats", "clear_plans"]
 
 aten = torch.ops.aten
 
@@ -132,69 +142,6 @@ def solve(items: list[tuple[Any, int, float]], capacity: float, resolution: int 
     return [items[i][0] for i in sorted(chosen)] + free
 
 
-class _Measure(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts: dict[Any, int] = {}
-        self.items: dict[tuple, list] = {}  # key -> [bytes, cost]
-        self.by_storage: dict[int, tuple] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        n = self.counts.get(func, 0)
-        self.counts[func] = n + 1
-        out = func(*args, **kwargs)
-        if func._schema.is_mutable or func.is_view:
-            return out
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        nbytes = 0
-        for o in outs:
-            if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex()):
-                st = o.untyped_storage()
-                nbytes += st.nbytes()
-                self.by_storage[st.data_ptr()] = (func, n)
-        if nbytes:
-            self.items[(func, n)] = [nbytes, op_cost(func, args, out)]
-        return out
-
-
-def measure(run: Callable[[], Any]) -> tuple[dict, int]:
-    """Run ``run()`` in a worker thread under grad mode; return (items, reference bytes).
-
-    ``run`` must create its own leaf inputs (``requires_grad_``) so that
-    autograd saves what it would save in plain training.
-    """
-    result: dict = {}
-
-    def work():
-        try:
-            saved_storages: dict[int, int] = {}
-            m = _Measure()
-
-            def pack(t):
-                try:
-                    st = t.untyped_storage()
-                    saved_storages[st.data_ptr()] = st.nbytes()
-                except (RuntimeError, NotImplementedError):
-                    pass
-                return t
-
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), m:
-                out = run()
-            del out
-            ref = sum(nb for ptr, nb in saved_storages.items() if ptr in m.by_storage)
-            result["v"] = (m.items, ref)
-        except BaseException as e:  # re-raised in the caller's thread
-            result["e"] = e
-
-    th = threading.Thread(target=work, name="remat_fn-memory-budget")
-    th.start()
-    th.join()
-    if "e" in result:
-        raise result["e"]
-    return result["v"]
-
-
 def make_plan(fraction: float, items: dict, reference: int) -> Plan:
     capacity = fraction * reference
     lst = [(k, v[0], v[1]) for k, v in items.items()]
@@ -202,3 +149,128 @@ def make_plan(fraction: float, items: dict, reference: int) -> Plan:
     saved = sum(items[k][0] for k in keys)
     cost = sum(v[1] for k, v in items.items() if k not in set(keys))
     return Plan(keys, int(capacity), reference, saved, cost, lst)
+
+
+# -- the first call: measure while running ------------------------------------------
+class Measuring:
+    """The policy of a region's first call: keep every op output, recording its
+    bytes, recompute cost and storages; :meth:`finish` turns that into a plan."""
+
+    __slots__ = ("planner", "key", "items")
+    measuring = True  # see remat_fn._saving.Record.direct
+
+    def __init__(self, planner: BudgetPlanner, key: tuple):
+        self.planner = planner
+        self.key = key
+        self.items: dict[Any, tuple[int, float, tuple[int, ...]]] = {}
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        if op is NAMED:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        out = ctx.op_output
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        nbytes, ptrs = 0, []
+        for o in outs:
+            if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex()):
+                st = o.untyped_storage()
+                nbytes += st.nbytes()
+                ptrs.append(st.data_ptr())
+        if not nbytes:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        self.items[ctx.key] = (nbytes, op_cost(op, args, out), tuple(ptrs))
+        return CheckpointPolicy.MUST_SAVE
+
+    def finish(self, saved: dict[int, int]) -> Plan:
+        """Plan from what autograd saved (storage pointer -> bytes), and cache it."""
+        produced = {p for _, _, ptrs in self.items.values() for p in ptrs}
+        reference = sum(nb for p, nb in saved.items() if p in produced)
+        items = {k: [b, c] for k, (b, c, ptrs) in self.items.items() if any(p in saved for p in ptrs)}
+        plan = make_plan(self.planner.fraction, items, reference)
+        self.items = {}
+        self.planner.store(self.key, plan)
+        return plan
+
+
+# -- the cache -----------------------------------------------------------------------
+_MAX_PLANS = 512
+_plans: collections.OrderedDict = collections.OrderedDict()
+_lock = threading.Lock()
+stats = {"measured": 0, "reused": 0}
+
+
+def clear_plans() -> None:
+    """Forget every cached plan (tests, or after changing a model's structure)."""
+    with _lock:
+        _plans.clear()
+        stats["measured"] = stats["reused"] = 0
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return ("t", tuple(t.shape), t.dtype, t.device.type)
+
+
+def _value_key(v: Any, depth: int = 0) -> Any:
+    """A hashable description of ``v`` that holds no tensor."""
+    if isinstance(v, torch.Tensor):
+        return _tensor_key(v)
+    if depth > 3:
+        return type(v)
+    if isinstance(v, (int, float, str, bool, bytes, type(None), torch.dtype, torch.device)):
+        return v
+    if isinstance(v, (tuple, list)):
+        return (type(v), tuple(_value_key(x, depth + 1) for x in v))
+    if isinstance(v, dict):
+        return (dict, tuple((k, _value_key(x, depth + 1)) for k, x in v.items() if isinstance(k, (str, int))))
+    if isinstance(v, torch.nn.Module):
+        return (type(v), tuple((n, tuple(p.shape), p.dtype) for n, p in v.named_parameters()))
+    return callable_key(v, depth + 1) if callable(v) else type(v)
+
+
+def callable_key(fn: Any, depth: int = 0) -> Any:
+    """What determines a function's ops, as a hashable value with no tensors in it."""
+    if isinstance(fn, types.MethodType):
+        return ("method", callable_key(fn.__func__, depth + 1), _value_key(fn.__self__, depth + 1))
+    if isinstance(fn, functools.partial):
+        return ("partial", callable_key(fn.func, depth + 1), _value_key(fn.args, depth + 1),
+                _value_key(dict(fn.keywords), depth + 1))
+    if isinstance(fn, types.FunctionType):
+        cells = []
+        for c in fn.__closure__ or ():
+            try:
+                cells.append(_value_key(c.cell_contents, depth + 1))
+            except ValueError:  # empty cell
+                cells.append(None)
+        return ("function", fn.__code__, tuple(cells))
+    if isinstance(fn, torch.nn.Module):
+        return _value_key(fn, depth)
+    return ("object", type(fn))
+
+
+class BudgetPlanner:
+    """A ``memory_budget`` policy as both autograd paths use it: :meth:`policy_for`
+    returns the cached :class:`Plan` for this call, or a :class:`Measuring`
+    policy whose :meth:`Measuring.finish` makes and caches it."""
+
+    __slots__ = ("budget", "fraction")
+
+    def __init__(self, budget) -> None:
+        self.budget = budget
+        self.fraction = float(budget.fraction)
+
+    def policy_for(self, fun: Any, tensors, path: str):
+        key = (path, self.fraction, callable_key(fun), tuple(_tensor_key(t) for t in tensors))
+        with _lock:
+            plan = _plans.get(key)
+            if plan is not None:
+                _plans.move_to_end(key)
+                stats["reused"] += 1
+                return plan
+        return Measuring(self, key)
+
+    def store(self, key: tuple, plan: Plan) -> None:
+        with _lock:
+            _plans[key] = plan
+            _plans.move_to_end(key)
+            stats["measured"] += 1
+            while len(_plans) > _MAX_PLANS:
+                _plans.popitem(last=False)

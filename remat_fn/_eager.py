@@ -23,6 +23,7 @@ import optree
 import torch
 
 from ._autocast import AutocastState
+from ._budget import Measuring
 from ._captures import mutated_input, scan
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._profile import active, storage_bytes, timer
@@ -128,7 +129,7 @@ class _Frame:
         self.input_ids: set[int] = set()  # ids of the region's tensor arguments
         self.outer = None  # the enclosing saved-tensor hooks, if any
         self.nhandles = 0  # saved tensors that need recomputation
-        self.saved_ptrs: set[int] = set()  # storages autograd saved (see Record.prune)
+        self.saved_ptrs: dict[int, int] = {}  # storages autograd saved -> bytes (see Record.prune)
 
     def stash_inputs(self, hooks) -> None:
         pack, unpack = hooks
@@ -162,7 +163,7 @@ class _Frame:
         rec = self.rec
         if rec is not None:
             ptr = _ptr(t)
-            self.saved_ptrs.add(ptr)
+            self.saved_ptrs[ptr] = t.untyped_storage().nbytes()
             if self.outer is None and ptr in rec.kept_ptrs:
                 # the policy keeps it anyway: autograd holds it as is, so backward
                 # needs no recomputation for it (and keeps no extra copy)
@@ -389,6 +390,8 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
             frame.rec.producer = {}
             # keep no more than plain autograd would (see Record.prune)
             frame.rec.prune(frame.saved_ptrs)
+            if isinstance(frame.rec.policy, Measuring):  # memory_budget's first call
+                frame.rec.keep_only(frame.rec.policy.finish(frame.saved_ptrs).keys)
             from ._residuals import residual_sink
 
             sink = residual_sink()

@@ -23,6 +23,7 @@ so when a functorch transform is active the region runs inside
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from ._autocast import AutocastState
+from ._budget import BudgetPlanner, Measuring
 from ._captures import CaptureMode, MissedCapture, OpTrace, describe, needs_grad, unwrap_all
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._profile import active, storage_bytes
@@ -157,6 +159,8 @@ class _RematFunction(torch.autograd.Function):
                     except (RuntimeError, NotImplementedError):
                         pass
                 spec.rec.prune(keep)
+                if isinstance(spec.rec.policy, Measuring):  # memory_budget's first call
+                    spec.rec.keep_only(spec.rec.policy.finish(saved).keys)
         else:
             with saving(spec.rec, recompute=False):
                 outs, rebuild = spec.call(tensors, known)
@@ -304,6 +308,11 @@ def _input_views(outs, tensors) -> dict[int, tuple]:
     return found
 
 
+# Function.apply binds its arguments with inspect.signature(forward) on every
+# call; a precomputed signature makes that lookup free.
+_RematFunction.forward.__signature__ = inspect.signature(_RematFunction.forward)  # type: ignore[attr-defined]
+
+
 def _replace(tensors, wrt, diff):
     """``tensors`` with the positions ``wrt`` replaced by ``diff``."""
     full = list(tensors)
@@ -407,8 +416,8 @@ def functional_call(
 
     scan = scan_fn(fun)
     captured = scan.captured(exclude_ids)
-    if policy is not None and hasattr(policy, "plan_functorch"):
-        policy = policy.plan_functorch(spec_run, inputs, captured)
+    if isinstance(policy, BudgetPlanner):
+        policy = policy.policy_for(fun, [*inputs, *captured], "func")
     snap = RNGSnapshot(devices) if preserve_rng_state else None
     produced = None  # storages made inside the region (recorded on retries only)
     prof = active()

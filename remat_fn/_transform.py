@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import optree
 import torch
 
+from ._budget import BudgetPlanner
 from ._captures import entered
 from ._debug import checks
 from ._eager import NeedsFunctionPath, eager_call
@@ -22,6 +23,7 @@ from ._errors import RematError
 from ._functional import functional_call
 from ._pytree import flatten_output
 from ._rng_state import devices_of
+from .policies import memory_budget
 
 __all__ = ["remat", "checkpoint"]
 
@@ -163,9 +165,7 @@ def _make(fun, *, policy, static_argnums, static_argnames, prevent_cse, preserve
                         f"{_name_of(fun)}{sig}. Fix the name or remove it from static_argnames."
                     )
     name = _name_of(fun)
-    from .policies import memory_budget
-
-    pol = _Budgeted(policy) if isinstance(policy, memory_budget) else policy
+    pol = BudgetPlanner(policy) if isinstance(policy, memory_budget) else policy
 
     from .policies import everything_saveable
 
@@ -240,7 +240,11 @@ def _call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug,
         # the autograd.Function path needs none.
         return _functorch_call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug, pol)
     devices = _devices(args, kwargs) if (preserve_rng_state and _has_accelerator()) else []
-    policy = pol.plan_eager(fun, args, kwargs) if isinstance(pol, _Budgeted) else pol
+    if isinstance(pol, BudgetPlanner):
+        leaves = optree.tree_leaves((args, kwargs), none_is_leaf=True)
+        policy = pol.policy_for(fun, [x for x in leaves if isinstance(x, torch.Tensor)], "eager")
+    else:
+        policy = pol
     try:
         return eager_call(fun, args, kwargs, name, preserve_rng_state, debug, devices, policy, strict)
     except NeedsFunctionPath:
@@ -314,72 +318,3 @@ def _functorch_call(fun, name, args, kwargs, argnums, argnames, preserve_rng_sta
         run, inputs, {id(t) for t in inputs}, roots, name, preserve_rng_state, debug, devices, pol
     )
     return rebuild(outs)
-
-
-def _example(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor of one example behind functorch wrappers."""
-    while _F.is_functorch_wrapped_tensor(t):
-        if _F.is_batchedtensor(t):
-            bdim = _F.maybe_get_bdim(t)
-            t = _F.get_unwrapped(t)
-            if bdim is not None and bdim >= 0:
-                t = t.select(bdim, 0)
-        else:
-            t = _F.get_unwrapped(t)
-    return t.detach()
-
-
-def _leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    t = t.detach()
-    if requires_grad and (t.is_floating_point() or t.is_complex()):
-        t.requires_grad_(True)
-    return t
-
-
-class _Budgeted:
-    """A memory_budget policy with its plans, cached per input signature."""
-
-    def __init__(self, budget):
-        self.budget = budget
-        self.plans: dict = {}
-
-    def _plan(self, tag, tensors, make_run):
-        """The cached plan for these input shapes, measuring ``make_run()`` on a miss."""
-        from ._budget import make_plan, measure
-
-        sig = (tag, tuple((tuple(t.shape), t.dtype, t.device.type) for t in tensors))
-        plan = self.plans.get(sig)
-        if plan is None:
-            items, ref = measure(make_run())
-            plan = self.plans[sig] = make_plan(self.budget.fraction, items, ref)
-        return plan
-
-    def plan_eager(self, fun, args, kwargs):
-        leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
-
-        def make_run():
-            def run():
-                lv = [_leaf(x, x.requires_grad) if isinstance(x, torch.Tensor) else x for x in leaves]
-                a, kw = optree.tree_unflatten(spec, lv)
-                return fun(*a, **kw)
-            return run
-
-        return self._plan("eager", [x for x in leaves if isinstance(x, torch.Tensor)], make_run)
-
-    def plan_functorch(self, run, inputs, captured):
-        from ._captures import CaptureMode, needs_grad
-
-        ex = [_example(t) for t in inputs]
-
-        def make_run():
-            grads = [needs_grad(t) for t in inputs]
-            cap = [(c, _example(c)) for c in captured]
-
-            def r():
-                xs = [_leaf(t, g) for t, g in zip(ex, grads)]
-                subst = {id(o): _leaf(b, True) for o, b in cap}
-                with CaptureMode(subst, None):
-                    return run(xs)
-            return r
-
-        return self._plan("func", ex, make_run)

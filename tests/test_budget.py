@@ -12,8 +12,8 @@ from torch.func import grad
 
 from remat_fn import policies as P
 from remat_fn import remat
-from remat_fn._budget import solve
-from remat_fn._transform import _Budgeted
+from remat_fn import _budget
+from remat_fn._budget import BudgetPlanner, Plan, solve
 from remat_fn.memory import LiveBytes
 
 from ._util import assert_tree_close
@@ -57,14 +57,17 @@ def _brute_force(items, capacity):
 @pytest.mark.parametrize("fraction", [0.1, 0.25, 0.5, 0.75])
 def test_budget_bytes_and_optimality(data, fraction):
     x, *ws = data
+    _budget.clear_plans()
     plain, _ = _live_after_forward(block, x, ws)
     rb = remat(block, policy=P.memory_budget(fraction))
-    got, y = _live_after_forward(rb, x, ws)
+    got, y = _live_after_forward(rb, x, ws)  # the first call measures, then keeps the plan's values
     assert got <= fraction * plain, (got, fraction * plain)
+    again, _ = _live_after_forward(rb, x, ws)  # later calls use the cached plan
+    assert again == got
     # the plan against exhaustive search over the same graph
-    planner = _Budgeted(P.memory_budget(fraction))
     wsr = [w.clone().requires_grad_() for w in ws]
-    plan = planner.plan_eager(block, (x, *wsr), {})
+    plan = BudgetPlanner(P.memory_budget(fraction)).policy_for(block, [x, *wsr], "eager")
+    assert isinstance(plan, Plan)
     assert plan.reference_bytes == plain
     assert len(plan.items) <= 16
     opt = _brute_force(plan.items, fraction * plan.reference_bytes)
@@ -97,19 +100,73 @@ def test_budget_under_grad(data, fraction):
     assert m.peak < m_plain.peak
 
 
-def test_plan_is_cached_per_signature(data, monkeypatch):
-    from remat_fn import _budget
-
-    calls = []
-    orig = _budget.measure
-    monkeypatch.setattr(_budget, "measure", lambda run: calls.append(1) or orig(run))
+@pytest.mark.parametrize("per_call", [False, True])
+def test_plan_is_computed_once_per_signature(data, per_call):
+    """Wrapped once or built anew for every call (as compat and Hugging Face do): one
+    plan per input signature, reused while the shapes stay the same."""
     x, *ws = data
-    rb = remat(block, policy=P.memory_budget(0.5))
+    _budget.clear_plans()
+    budget = P.memory_budget(0.5)
+    once = remat(block, policy=budget)
     wsr = [w.clone().requires_grad_() for w in ws]
     for _ in range(3):
-        rb(x, *wsr).sum().backward()
-    rb(x[:64], *wsr).sum().backward()
-    assert len(calls) == 2
+        (remat(block, policy=budget) if per_call else once)(x, *wsr).sum().backward()
+    assert _budget.stats == {"measured": 1, "reused": 2}
+    (remat(block, policy=budget) if per_call else once)(x[:64], *wsr).sum().backward()
+    assert _budget.stats["measured"] == 2
+
+
+def test_plan_cache_is_bounded_and_holds_no_tensors(data, monkeypatch):
+    import gc
+    import weakref
+
+    x, *ws = data
+    _budget.clear_plans()
+    monkeypatch.setattr(_budget, "_MAX_PLANS", 3)
+    probe = torch.randn(D, 4 * D) / 8
+    ref = weakref.ref(probe)
+    rb = remat(lambda x, w2, g: block(x, probe, w2, g), policy=P.memory_budget(0.5))
+    w2 = ws[1].clone().requires_grad_()
+    for n in range(5):
+        rb(x[: 8 * (n + 1)], w2, ws[2]).sum().backward()
+    assert len(_budget._plans) == 3
+    del probe, rb
+    gc.collect()
+    assert ref() is None  # the plans (and their keys) hold no tensor
+
+
+def test_planning_leaves_no_trace_rng_values_gradients():
+    """The first call draws nothing extra from the RNG: values, gradients and the RNG
+    state afterwards equal the plain function's (dropout inside the region)."""
+    _budget.clear_plans()
+
+    def f(x, w):
+        return torch.nn.functional.dropout(torch.tanh(x @ w), 0.5, training=True) @ w
+
+    x, w = torch.randn(32, 16), torch.randn(16, 16)
+    outs = []
+    for fn in (f, remat(f, policy=P.memory_budget(0.5))):
+        torch.manual_seed(1)
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xx, ww)
+        g = torch.autograd.grad(y.sum(), (xx, ww))
+        outs.append((y.detach(), g, torch.get_rng_state(), torch.rand(3)))
+    assert_tree_close(outs[0][:2], outs[1][:2], exact=True)
+    assert torch.equal(outs[0][2], outs[1][2]) and torch.equal(outs[0][3], outs[1][3])
+
+
+def test_planning_leaks_no_graph():
+    import gc
+
+    _budget.clear_plans()
+    x, w = torch.randn(128, 64), torch.randn(64, 64, requires_grad=True)
+    gc.collect()
+    before = sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    for n in range(4):  # a new plan each time (new shapes)
+        remat(lambda x, w: torch.tanh(x @ w) @ w, policy=P.memory_budget(0.5))(x[: 16 * (n + 1)], w).sum().backward()
+    gc.collect()
+    after = sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    assert after <= before, (before, after)
 
 
 @settings(max_examples=60, deadline=None)

@@ -335,3 +335,47 @@ def test_backward_needing_only_inputs_recomputes_nothing():
     remat(f)(x).sum().backward()
     assert calls[0] == 1  # JAX runs sin 0 times in backward; so does remat_fn
     assert torch.allclose(x.grad, 3 * torch.cos(x))
+
+
+@pytest.mark.parametrize("how", ["eager", "vjp"])
+def test_policy_saved_value_modified_in_place_raises(how):
+    from torch.func import vjp
+
+    from remat_fn import MutatedSavedTensorError
+
+    x, w = torch.randn(3, 3), torch.randn(3, 3)
+    h = remat(lambda x, w: (lambda m: (m, m.sin()))(torch.mm(x, w)), policy=P.dots_saveable)
+    with pytest.raises(MutatedSavedTensorError, match="modified in place"):
+        if how == "eager":
+            a, b = h(x, w.clone().requires_grad_())
+            a.add_(1)  # the kept matmul output, needed by sin's backward
+            b.sum().backward()
+        else:
+            (a, b), fn = vjp(lambda w: h(x, w), w)
+            a.add_(1)
+            fn((torch.zeros_like(a), torch.ones_like(b)))
+
+
+@pytest.mark.parametrize("policy", [P.dots_saveable, P.save_anything_except_these_names("mlp_hidden"),
+                                    lambda ctx, op, *a, **k: True])
+def test_no_policy_keeps_more_than_no_remat_under_grad(policy):
+    from remat_fn.memory import LiveBytes
+
+    torch.manual_seed(0)
+    ws = [(torch.randn(16, 64), torch.randn(64, 16)) for _ in range(4)]
+    x0 = torch.randn(512, 16)
+
+    def run(blk):
+        box = {}
+
+        def loss(ws, x):
+            for w1, w2 in ws:
+                x = blk(x, w1, w2)
+            box["kept"] = meter.live  # at the end of the forward, inside grad
+            return x.sum()
+
+        with LiveBytes() as meter:
+            grad(loss)(ws, x0)
+        return box["kept"]
+
+    assert run(remat(_mlp_block, policy=policy)) <= run(_mlp_block)
