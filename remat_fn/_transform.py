@@ -23,9 +23,9 @@ from ._errors import RematError
 from ._functional import functional_call
 from ._pytree import flatten_output
 from ._rng_state import devices_of
-from .policies import memory_budget
+from .policies import everything_saveable, memory_budget
 
-__all__ = ["remat", "checkpoint"]
+__all__ = ["remat", "checkpoint", "call_once"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -189,6 +189,25 @@ def _make(fun, *, policy, static_argnums, static_argnames, prevent_cse, preserve
 
     return _finish(wrapper, fun, policy, static_argnums, static_argnames, prevent_cse,
                    preserve_rng_state, debug)
+
+
+def call_once(fun, args: tuple, kwargs: dict, *, policy: Any = None, preserve_rng_state: bool = True,
+              debug: bool = False):
+    """``remat(fun, policy=..., ...)(*args, **kwargs)`` without building a wrapper:
+    the form of one-shot callers (``remat_fn.compat.checkpoint``), which would
+    otherwise pay for a new wrapper (signature checks, ``functools.wraps``) on
+    every call."""
+    if policy is not None:
+        policy = _resolve_policy(policy)
+        if policy is everything_saveable:
+            return fun(*args, **kwargs)
+    if torch.compiler.is_compiling():  # see remat_fn/_compile.py
+        from ._compile import compiled_call
+
+        return compiled_call(fun, args, kwargs, policy=policy, preserve_rng_state=preserve_rng_state)
+    pol = BudgetPlanner(policy) if isinstance(policy, memory_budget) else policy
+    with entered():
+        return _call(fun, _name_of(fun), args, kwargs, (), frozenset(), preserve_rng_state, debug, pol)
 
 
 def _finish(wrapper, fun, policy, static_argnums, static_argnames, prevent_cse, preserve_rng_state, debug):

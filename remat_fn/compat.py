@@ -49,6 +49,7 @@ import torch
 import torch.utils.checkpoint as _tc
 
 from ._debug import early_stop as _early_stop
+from ._transform import call_once
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
 
@@ -161,13 +162,12 @@ def checkpoint(
     global_early_stop = getattr(_tc, "_enable_checkpoint_early_stop", None)
     if global_early_stop is not None:
         early_stop = global_early_stop
-    from ._transform import remat
-
-    region = remat(function, policy=policy, preserve_rng_state=preserve_rng_state, debug=bool(debug))
     if early_stop:
-        return region(*args, **kwargs)
+        return call_once(function, args, kwargs, policy=policy, preserve_rng_state=preserve_rng_state,
+                         debug=bool(debug))
     with _early_stop(False):
-        return region(*args, **kwargs)
+        return call_once(function, args, kwargs, policy=policy, preserve_rng_state=preserve_rng_state,
+                         debug=bool(debug))
 
 
 def checkpoint_sequential(functions, segments, input, use_reentrant: bool | None = None, **kwargs):
