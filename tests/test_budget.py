@@ -10,9 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.func import grad
 
+from remat_fn import _budget, remat
 from remat_fn import policies as P
-from remat_fn import remat
-from remat_fn import _budget
 from remat_fn._budget import BudgetPlanner, Plan, solve
 from remat_fn.memory import LiveBytes
 
@@ -123,14 +122,16 @@ def test_plan_cache_is_bounded_and_holds_no_tensors(data, monkeypatch):
     x, *ws = data
     _budget.clear_plans()
     monkeypatch.setattr(_budget, "_MAX_PLANS", 3)
-    probe = torch.randn(D, 4 * D) / 8
-    ref = weakref.ref(probe)
-    rb = remat(lambda x, w2, g: block(x, probe, w2, g), policy=P.memory_budget(0.5))
+    def make():
+        probe = torch.randn(D, 4 * D) / 8  # closed over: its shape goes into the key
+        return remat(lambda x, w2, g: block(x, probe, w2, g), policy=P.memory_budget(0.5)), weakref.ref(probe)
+
+    rb, ref = make()
     w2 = ws[1].clone().requires_grad_()
     for n in range(5):
         rb(x[: 8 * (n + 1)], w2, ws[2]).sum().backward()
     assert len(_budget._plans) == 3
-    del probe, rb
+    del rb
     gc.collect()
     assert ref() is None  # the plans (and their keys) hold no tensor
 
