@@ -27,3 +27,18 @@ def grads_of(loss_fn, leaves):
     xs = [x.detach().clone().requires_grad_(True) for x in leaves]
     loss = loss_fn(*xs)
     return torch.autograd.grad(loss, xs, allow_unused=True)
+
+
+def draw_steps(draw, st, n_vals: int, max_steps: int, unary, binary):
+    """Hypothesis helper: a straight-line program over ``n_vals`` starting values;
+    each step applies a unary or binary op (by name) to earlier values and adds
+    one value.  Returns ``(steps, n_vals)``."""
+    steps = []
+    for _ in range(draw(st.integers(1, max_steps))):
+        if draw(st.booleans()):
+            steps.append(("u", draw(st.sampled_from(sorted(unary))), draw(st.integers(0, n_vals - 1))))
+        else:
+            steps.append(("b", draw(st.sampled_from(sorted(binary))),
+                          draw(st.integers(0, n_vals - 1)), draw(st.integers(0, n_vals - 1))))
+        n_vals += 1
+    return steps, n_vals

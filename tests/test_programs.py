@@ -22,7 +22,7 @@ from torch.func import grad, jacrev, jvp, vjp, vmap
 
 from remat_fn import checkpoint_name, policies, remat
 
-from ._util import assert_tree_close
+from ._util import assert_tree_close, draw_steps
 
 SHAPE = (4, 6)
 _g = torch.Generator().manual_seed(1234)
@@ -77,15 +77,7 @@ class Extra:  # deliberately not registered with optree
 @st.composite
 def programs(draw):
     n_in = draw(st.integers(1, 3))
-    steps = []
-    n_vals = n_in
-    for _ in range(draw(st.integers(1, 5))):
-        if draw(st.booleans()):
-            steps.append(("u", draw(st.sampled_from(sorted(UNARY))), draw(st.integers(0, n_vals - 1))))
-        else:
-            steps.append(("b", draw(st.sampled_from(sorted(BINARY))),
-                          draw(st.integers(0, n_vals - 1)), draw(st.integers(0, n_vals - 1))))
-        n_vals += 1
+    steps, n_vals = draw_steps(draw, st, n_in, 5, UNARY, BINARY)
     outs = draw(st.lists(st.integers(0, n_vals - 1), min_size=1, max_size=3))
     extra = draw(st.integers(0, n_vals - 1))
     return n_in, steps, outs, extra

@@ -12,7 +12,7 @@ from torch.func import grad, jacfwd, jacrev, vjp, vmap
 
 from remat_fn import remat
 
-from ._util import assert_tree_close
+from ._util import assert_tree_close, draw_steps
 
 UNARY = {
     "sin": torch.sin, "tanh": torch.tanh, "exp_small": lambda t: torch.exp(0.1 * t),
@@ -31,15 +31,7 @@ settings.load_profile(os.environ.get("REMAT_HYPOTHESIS_PROFILE", "ci"))
 def programs(draw):
     """A straight-line program over n inputs of one shape, with a closed-over weight."""
     n_in = draw(st.integers(1, 3))
-    steps = []
-    n_vals = n_in + 1  # inputs + closed-over weight
-    for _ in range(draw(st.integers(1, 6))):
-        if draw(st.booleans()):
-            steps.append(("u", draw(st.sampled_from(sorted(UNARY))), draw(st.integers(0, n_vals - 1))))
-        else:
-            steps.append(("b", draw(st.sampled_from(sorted(BINARY))),
-                          draw(st.integers(0, n_vals - 1)), draw(st.integers(0, n_vals - 1))))
-        n_vals += 1
+    steps, n_vals = draw_steps(draw, st, n_in + 1, 6, UNARY, BINARY)  # inputs + closed-over weight
     n_out = draw(st.integers(1, min(3, n_vals)))
     outs = draw(st.lists(st.integers(0, n_vals - 1), min_size=n_out, max_size=n_out))
     return n_in, steps, outs
