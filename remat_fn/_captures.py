@@ -31,11 +31,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._errors import RecomputeMismatchError, RematError
-from ._format import user_frame
+from ._debug import CallTrace
+from ._errors import RematError
 
-__all__ = ["needs_grad", "scan", "Scan", "CaptureMode", "MissedCapture", "OpTrace", "describe",
-           "mutated_input", "entered", "region_depth"]
+__all__ = ["needs_grad", "scan", "Scan", "CaptureMode", "MissedCapture", "describe",
+           "mutated_input", "entered", "region_depth", "unwrap_all"]
 
 _F = torch._C._functorch
 _SKIP_MODULE_PREFIXES = ("torch", "optree", "remat_fn", "numpy", "builtins", "functools")
@@ -363,13 +363,13 @@ class CaptureMode(TorchFunctionMode):
         known: ``id()`` of tensors that may be used freely (the region's
             inputs); tensors produced inside the region are added as they
             appear.  ``None`` disables the safety net (a recomputation).
-        trace: the region's :class:`OpTrace`: recorded in the forward,
+        trace: the region's :class:`CallTrace`: recorded in the forward,
             checked during a recomputation.
         name: the region's name, for error messages.
     """
 
     def __init__(self, subst: dict[int, torch.Tensor], known: set[int] | None,
-                 trace: OpTrace | None = None, name: str = "fn",
+                 trace: CallTrace | None = None, name: str = "fn",
                  produced: set[int] | None = None):
         super().__init__()
         # Storages of the tensors the region's own aten ops made (recorded, on a
@@ -502,81 +502,3 @@ def mutated_input(name: str, t: torch.Tensor) -> RematError:
         "backward would apply the change twice. Fix: work on a copy inside the function "
         "(x = x.clone()) or move the in-place update out of the rematerialised region."
     )
-
-
-def _out_meta(out: Any) -> tuple | None:
-    if isinstance(out, torch.Tensor):
-        return ((tuple(out.shape), out.dtype, out.device),)
-    if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
-        return tuple((tuple(o.shape), o.dtype, o.device) if isinstance(o, torch.Tensor) else None
-                     for o in out)
-    return None
-
-
-class OpTrace:
-    """The tensor-producing torch calls of a region's forward, checked on recompute.
-
-    The ``torch.func`` path cannot see the tensors autograd saves (saved-tensor
-    hooks are refused there), so it checks, call by call, that the
-    recomputation produces tensors of the same count, shapes, dtypes and
-    devices as the forward did: what the eager path checks on saved tensors.
-    """
-
-    __slots__ = ("ops", "pos", "where")
-
-    def __init__(self, where: bool = False):
-        self.ops: list[tuple] = []
-        self.pos = 0
-        self.where = where  # also record user source lines (debug=True)
-
-    def rewind(self) -> None:
-        self.pos = 0
-
-    def step(self, func, out, recompute: bool, name: str) -> None:
-        meta = _out_meta(out)
-        if meta is None:
-            return
-        if not recompute:
-            self.ops.append((func, meta, user_frame() if self.where else None))
-            return
-        i = self.pos
-        self.pos = i + 1
-        if i >= len(self.ops):
-            self._mismatch(name, f"the recomputation ran more tensor ops than the {len(self.ops)} "
-                           f"of the forward (extra: {_fname(func)} -> {_fmeta(meta)})")
-        f0, m0, _ = self.ops[i]
-        if m0 != meta or (f0 is not func and _fname(f0) != _fname(func)):
-            self._mismatch(name, f"tensor op #{i} was {_fname(f0)} -> {_fmeta(m0)} in the forward "
-                           f"but {_fname(func)} -> {_fmeta(meta)} on recompute")
-
-    def finish(self, name: str) -> None:
-        """After a complete recomputation: it must have run every op of the forward."""
-        if self.pos != len(self.ops):
-            self._mismatch(name, f"the recomputation ran {self.pos} tensor ops but the forward "
-                           f"ran {len(self.ops)}")
-
-    def _mismatch(self, name: str, what: str):
-        msg = (
-            f"Recomputing remat({name}) did not reproduce the forward: {what}. The region must "
-            "run the same ops on tensors of the same shapes each time: make control flow depend "
-            "only on its arguments (pass Python values through static_argnums/static_argnames), "
-            "not on global state, and keep preserve_rng_state=True (or use remat_fn.random keys) "
-            "for random ops."
-        )
-        if self.where:
-            msg += "\nforward ops:\n" + "\n".join(
-                f"  {_fname(f)} -> {_fmeta(m)}  {w}" for f, m, w in self.ops[: self.pos + 1])
-        else:
-            msg += " Pass debug=True to see the forward's ops with user source lines."
-        raise RecomputeMismatchError(msg)
-
-
-def _fname(func) -> str:
-    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
-
-
-def _fmeta(meta) -> str:
-    from ._format import short_dtype
-
-    parts = [f"{short_dtype(m[1])}[{','.join(map(str, m[0]))}]" if m else "-" for m in meta]
-    return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"

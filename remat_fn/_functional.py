@@ -32,7 +32,8 @@ import torch
 
 from ._autocast import AutocastState
 from ._budget import BudgetPlanner, Measuring
-from ._captures import CaptureMode, MissedCapture, OpTrace, describe, needs_grad, unwrap_all
+from ._captures import CaptureMode, MissedCapture, describe, needs_grad, unwrap_all
+from ._debug import CallTrace
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._profile import active, storage_bytes
 from ._rng_state import RNGSnapshot
@@ -68,7 +69,7 @@ class _Spec:
         self.fwd_hits: set[int] = set()
         self.rec = None  # remat_fn._saving.Record when a policy is in force
         self.needs: list[bool] = []  # which tensor inputs need a gradient
-        self.trace = OpTrace(where=debug)  # the forward's tensor ops, checked on recompute
+        self.trace = CallTrace(where=debug)  # the forward's tensor ops, checked on recompute
         self.views: dict[int, tuple] = {}  # output index -> (input index, size, stride, offset)
         self.autocast = AutocastState()  # re-entered by the recomputation
         self.produced: set[int] | None = None  # see CaptureMode
