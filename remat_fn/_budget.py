@@ -15,7 +15,7 @@ from any RNG, no extra graph, no worker thread.
 Plans live in one bounded, process-wide cache keyed by what determines them:
 the function's code (and the shapes of the tensors it closes over, or of a
 module's parameters), the shapes, dtypes and devices of the inputs, the
-autograd path and the fraction.  A ``remat`` built anew for every call (as
+autograd path (and the torch.func transforms around the call) and the fraction.  A ``remat`` built anew for every call (as
 ``remat_fn.compat`` and Hugging Face's hook do) finds its plan there.  The
 cache holds no tensors.
 """
@@ -258,7 +258,10 @@ class BudgetPlanner:
         self.fraction = float(budget.fraction)
 
     def policy_for(self, fun: Any, tensors, path: str):
-        key = (path, self.fraction, callable_key(fun), tuple(_tensor_key(t) for t in tensors))
+        # under torch.func the ops a region runs depend on the transforms around it
+        # (vmap batches them): the stack of transform types is part of the key
+        stack = tuple(str(i.key()) for i in torch._C._functorch.get_interpreter_stack() or ())
+        key = (path, stack, self.fraction, callable_key(fun), tuple(_tensor_key(t) for t in tensors))
         with _lock:
             plan = _plans.get(key)
             if plan is not None:
