@@ -1,16 +1,15 @@
 """``memory_budget(fraction)``: choose what to save by solving a 0-1 knapsack.
 
 There is no separate measuring pass.  The first call of a region for a given
-plan key runs under :class:`Measuring`, a policy that keeps every op output
-and records its bytes and recompute cost (FLOPs for matmul-like ops, output
-elements otherwise).  When the forward ends, the region knows which of those
-outputs autograd saved (saved-tensor hooks in eager mode, the graph's saved
-tensors under ``torch.func``); their bytes are the reference ``B``, and
+plan key runs under :class:`Measuring`, a policy that keeps nothing (that call
+is fully recomputed) and records every op output's bytes and recompute cost
+(FLOPs for matmul-like ops, output elements otherwise) and which outputs
+autograd saved (seen by the saved-tensor hooks in eager mode, in the graph's
+saved tensors under ``torch.func``).  Their bytes are the reference ``B``;
 :func:`solve` picks the ops to save, with total bytes <= ``fraction * B``, that
-maximise the recompute cost avoided.  The region then drops every kept value
-outside the plan, so even the first call ends up keeping only what the plan
-says; later calls use the plan directly.  Nothing runs twice: no extra draw
-from any RNG, no extra graph, no worker thread.
+maximise the recompute cost avoided; later calls use that plan.  Nothing runs
+twice: no extra draw from any RNG, no extra graph, no worker thread, and the
+first call costs no more memory than the plan's calls.
 
 Plans live in one bounded, process-wide cache keyed by what determines them:
 the function's code (and the shapes of the tensors it closes over, or of a
@@ -153,40 +152,54 @@ def make_plan(fraction: float, items: dict, reference: int) -> Plan:
 
 # -- the first call: measure while running ------------------------------------------
 class Measuring:
-    """The policy of a region's first call: keep every op output, recording its
-    bytes, recompute cost and storages; :meth:`finish` turns that into a plan."""
+    """The policy of a region's first call: keep nothing (the call is recomputed
+    like ``nothing_saveable``, so it costs no extra memory) and record, for every
+    op output, its bytes and recompute cost and which op made each storage;
+    autograd's saved tensors are attributed to the op that made them
+    (:meth:`note_saved`), and :meth:`finish` turns that into a plan."""
 
-    __slots__ = ("planner", "key", "items")
-    measuring = True  # see remat_fn._saving.Record.direct
+    __slots__ = ("planner", "key", "items", "producer", "saved")
 
     def __init__(self, planner: BudgetPlanner, key: tuple):
         self.planner = planner
         self.key = key
-        self.items: dict[Any, tuple[int, float, tuple[int, ...]]] = {}
+        self.items: dict[Any, tuple[int, float]] = {}  # op key -> (bytes, cost)
+        self.producer: dict[int, Any] = {}  # storage pointer -> key of the op that made it last
+        # (op key, storage) -> bytes of what autograd saved; the pair, because a
+        # storage freed after it was saved can be reused by a later op's output
+        self.saved: dict[tuple[Any, int], int] = {}
 
     def __call__(self, ctx, op, *args, **kwargs):
         if op is NAMED:
             return CheckpointPolicy.PREFER_RECOMPUTE
         out = ctx.op_output
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        nbytes, ptrs = 0, []
+        nbytes = 0
         for o in outs:
             if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex()):
                 st = o.untyped_storage()
                 nbytes += st.nbytes()
-                ptrs.append(st.data_ptr())
-        if not nbytes:
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        self.items[ctx.key] = (nbytes, op_cost(op, args, out), tuple(ptrs))
-        return CheckpointPolicy.MUST_SAVE
+                # storages are reused once freed: the latest producer owns the pointer
+                self.producer[st.data_ptr()] = ctx.key
+        if nbytes:
+            self.items[ctx.key] = (nbytes, op_cost(op, args, out))
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
-    def finish(self, saved: dict[int, int]) -> Plan:
-        """Plan from what autograd saved (storage pointer -> bytes), and cache it."""
-        produced = {p for _, _, ptrs in self.items.values() for p in ptrs}
-        reference = sum(nb for p, nb in saved.items() if p in produced)
-        items = {k: [b, c] for k, (b, c, ptrs) in self.items.items() if any(p in saved for p in ptrs)}
-        plan = make_plan(self.planner.fraction, items, reference)
-        self.items = {}
+    def note_saved(self, ptr: int, nbytes: int) -> None:
+        """Autograd saved a tensor with this storage (called when it is saved)."""
+        key = self.producer.get(ptr)
+        if key is not None:
+            self.saved[(key, ptr)] = nbytes
+
+    def finish(self, saved: dict[int, int] | None = None) -> Plan:
+        """The plan (cached).  ``saved``: storages autograd holds at the end of the
+        forward (pointer -> bytes), for a path that cannot note them as they are saved."""
+        for ptr, nbytes in (saved or {}).items():
+            self.note_saved(ptr, nbytes)
+        keys = {k for k, _ in self.saved}
+        items = {k: [b, c] for k, (b, c) in self.items.items() if k in keys}
+        plan = make_plan(self.planner.fraction, items, sum(self.saved.values()))
+        self.items, self.producer, self.saved = {}, {}, {}
         self.planner.store(self.key, plan)
         return plan
 

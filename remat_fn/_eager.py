@@ -163,7 +163,9 @@ class _Frame:
         rec = self.rec
         if rec is not None:
             ptr = _ptr(t)
-            self.saved_ptrs[ptr] = t.untyped_storage().nbytes()
+            self.saved_ptrs[ptr] = nbytes = t.untyped_storage().nbytes()
+            if type(rec.policy) is Measuring:  # memory_budget's first call
+                rec.policy.note_saved(ptr, nbytes)
             if self.outer is None and ptr in rec.kept_ptrs:
                 # the policy keeps it anyway: autograd holds it as is, so backward
                 # needs no recomputation for it (and keeps no extra copy)
@@ -391,7 +393,7 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
             # keep no more than plain autograd would (see Record.prune)
             frame.rec.prune(frame.saved_ptrs)
             if isinstance(frame.rec.policy, Measuring):  # memory_budget's first call
-                frame.rec.keep_only(frame.rec.policy.finish(frame.saved_ptrs).keys)
+                frame.rec.policy.finish()
             from ._residuals import residual_sink
 
             sink = residual_sink()

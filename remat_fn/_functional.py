@@ -161,7 +161,7 @@ class _RematFunction(torch.autograd.Function):
                         pass
                 spec.rec.prune(keep)
                 if isinstance(spec.rec.policy, Measuring):  # memory_budget's first call
-                    spec.rec.keep_only(spec.rec.policy.finish(saved).keys)
+                    spec.rec.policy.finish(saved)
         else:
             with saving(spec.rec, recompute=False):
                 outs, rebuild = spec.call(tensors, known)

@@ -256,9 +256,6 @@ class Record:
         self.paused = 0  # > 0 while a recomputation runs inside the forward
         self.versions: list = []  # (kept tensor, version after the forward)
         self.kept_ptrs: set[int] = set()  # storages of the values decided "save"
-        # Values kept "save" may be held by autograd as they are (no recomputation
-        # for them); not while measuring for memory_budget, whose plan drops some.
-        self.direct = not getattr(policy, "measuring", False)
 
     # -- forward -------------------------------------------------------------
     def before_mutation(self, func, args, kwargs) -> None:
@@ -307,8 +304,7 @@ class Record:
         if d == "save":
             e = self.entries.setdefault(key, _Entry(_meta(args)))
             e.out = _kept(out)
-            if self.direct:
-                self.kept_ptrs.update(_ptr(t) for t in leaves if isinstance(t, torch.Tensor))
+            self.kept_ptrs.update(_ptr(t) for t in leaves if isinstance(t, torch.Tensor))
         elif isinstance(d, Offload):
             self._offload(key, leaves, range(len(leaves)), d)
 
@@ -419,14 +415,6 @@ class Record:
                 del e.parts[i]
             if e.out is None and not e.parts and not e.offloaded:
                 del self.entries[key]
-
-    def keep_only(self, keys) -> None:
-        """Drop every kept value whose op is not in ``keys`` (a memory_budget plan)."""
-        for key in [k for k in self.entries if k not in keys]:
-            e = self.entries.pop(key)
-            for t in (e.out if type(e.out) in (tuple, list) else (e.out,)) if e.out is not None else ():
-                if isinstance(t, torch.Tensor):
-                    self.kept_ptrs.discard(_ptr(t))
 
     def seal(self, outputs) -> None:
         """After the forward: remember the versions of the region's outputs whose

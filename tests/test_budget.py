@@ -59,10 +59,10 @@ def test_budget_bytes_and_optimality(data, fraction):
     _budget.clear_plans()
     plain, _ = _live_after_forward(block, x, ws)
     rb = remat(block, policy=P.memory_budget(fraction))
-    got, y = _live_after_forward(rb, x, ws)  # the first call measures, then keeps the plan's values
-    assert got <= fraction * plain, (got, fraction * plain)
-    again, _ = _live_after_forward(rb, x, ws)  # later calls use the cached plan
-    assert again == got
+    first, y = _live_after_forward(rb, x, ws)  # the first call measures and keeps nothing
+    assert first == 0, first
+    got, _ = _live_after_forward(rb, x, ws)  # later calls keep the cached plan's values
+    assert 0 < got <= fraction * plain, (got, fraction * plain)
     # the plan against exhaustive search over the same graph
     wsr = [w.clone().requires_grad_() for w in ws]
     plan = BudgetPlanner(P.memory_budget(fraction)).policy_for(block, [x, *wsr], "eager")
