@@ -21,116 +21,19 @@ from typing import Any
 import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy
 
 from ._captures import describe
 from ._captures import unwrap_all as _base
-from ._errors import MutatedSavedTensorError, PolicyError, RecomputeMismatchError
+from ._errors import MutatedSavedTensorError, RecomputeMismatchError
+from ._offload import Offloader
 from ._residuals import residual_sink
-from .policies import NAMED, Offload
+from .policies import NAMED, Offload, PolicyContext, decide
 
-__all__ = ["Record", "SaveMode", "saving", "paused", "decide", "checkpoint_name", "Offloader", "normalize_policy"]
+__all__ = ["Record", "SaveMode", "saving", "paused", "checkpoint_name", "forward_mode_active"]
 
 _F = torch._C._functorch
 _local = threading.local()
 _no_torch_function = torch._C.DisableTorchFunction
-
-_SAVE = frozenset({CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE})
-_CPU_OFFLOAD = frozenset(
-    p for p in (getattr(CheckpointPolicy, "MUST_CPU_OFFLOAD", None),
-                getattr(CheckpointPolicy, "PREFER_CPU_OFFLOAD", None)) if p is not None
-)
-
-
-class PolicyContext:
-    """What a policy sees as ``ctx``: every attribute of torch's
-    ``SelectiveCheckpointContext`` (``is_recompute``, always ``False`` since
-    policies are only asked during the forward, and ``op_output``, the op's
-    output) plus ``key`` (``(op, n-th call)``) and ``name`` (for named values)."""
-
-    __slots__ = ("is_recompute", "op_output", "key", "name")
-
-    def __init__(self):
-        self.is_recompute = False
-        self.op_output = None
-        self.key = None
-        self.name = None
-
-
-def decide(policy, ctx, op, args, kwargs):
-    """Normalise a policy's answer to ``"save"``, ``"recompute"``, ``"force"`` or an Offload."""
-    d = policy(ctx, op, *args, **kwargs)
-    if d is True:
-        return "save"
-    if d is False:
-        return "recompute"
-    if isinstance(d, CheckpointPolicy):
-        if d in _SAVE:
-            return "save"
-        if d in _CPU_OFFLOAD:
-            return Offload("cpu")
-        if d is CheckpointPolicy.MUST_RECOMPUTE and op is NAMED:
-            return "force"
-        return "recompute"
-    if isinstance(d, Offload):
-        return d
-    raise PolicyError(
-        f"the policy {getattr(policy, '__name__', policy)!r} returned {d!r} for {op}; a policy "
-        "must return a bool, a torch.utils.checkpoint.CheckpointPolicy or a "
-        "remat_fn.policies.Offload. Fix the policy's return value."
-    )
-
-
-class _OpList:
-    """A list of ops given as a policy: save exactly those ops."""
-
-    __slots__ = ("ops",)
-
-    def __init__(self, ops):
-        items = set()
-        for o in ops:
-            if not isinstance(o, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-                raise PolicyError(
-                    f"a list policy must contain aten ops (e.g. torch.ops.aten.mm.default), "
-                    f"got {o!r}"
-                )
-            items.add(o)
-        self.ops = frozenset(items)
-
-    def __call__(self, ctx, op, *args, **kwargs):
-        return op is not NAMED and (op in self.ops or getattr(op, "overloadpacket", None) in self.ops)
-
-    def __repr__(self):
-        return f"ops({sorted(map(str, self.ops))})"
-
-
-def normalize_policy(policy):
-    """``None`` for "recompute everything", otherwise a callable policy."""
-    from . import policies
-
-    if policy is None or policy is policies.nothing_saveable:
-        return None
-    if isinstance(policy, (list, tuple, set, frozenset)):
-        return _OpList(policy)
-    if isinstance(policy, str):
-        hint = (f" Fix: policy=remat_fn.policies.{policy}" if callable(getattr(policies, policy, None))
-                else " Fix: pass a policy object, e.g. remat_fn.policies.dots_saveable")
-        raise PolicyError(f"policy must be a policy object, not the string {policy!r}.{hint}.")
-    if isinstance(policy, type):
-        # a parameterised policy class passed without calling it
-        raise PolicyError(
-            f"policy={policy.__name__} is a policy factory, not a policy: call it with its "
-            f"arguments, e.g. policy=remat_fn.policies.{policy.__name__}(...)"
-            + (" with the names to save." if "names" in policy.__name__ else ".")
-        )
-    if callable(policy):
-        return policy
-    raise PolicyError(
-        f"policy must be None, a callable policy(ctx, op, *args, **kwargs) (e.g. one of "
-        f"remat_fn.policies) or a list of aten ops; got {type(policy).__name__} {policy!r}. "
-        "Fix: pass e.g. policy=remat_fn.policies.dots_saveable."
-    )
-
 
 def forward_mode_active() -> bool:
     """True when forward-mode AD (a functorch jvp level or an eager dual level) is on.
@@ -162,71 +65,6 @@ def _meta(args) -> tuple:
     return tuple(
         (tuple(a.shape), a.dtype) for a in optree.tree_leaves(args) if isinstance(a, torch.Tensor)
     )
-
-
-class Offloader:
-    """Moves offloaded values to their destination and back, counting transfers.
-
-    On CUDA sources with a CPU destination the copy goes into pinned host
-    memory on a side stream (the source tensor is kept alive on that stream
-    until the copy is done via ``record_stream``); :meth:`prefetch` issues all
-    host-to-device copies of a region on the side stream when its
-    recomputation starts, and :meth:`fetch` makes the compute stream wait on
-    the copy's event.  Elsewhere (CPU to CPU in this project's CI) the copies
-    are synchronous.
-    """
-
-    def __init__(self):
-        self.to_dst = 0
-        self.to_src = 0
-        self._stream = None
-
-    def _side_stream(self, device):  # pragma: no cover - needs CUDA
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        return self._stream
-
-    def put(self, t: torch.Tensor, dst: torch.device):
-        self.to_dst += 1
-        if t.is_cuda and dst.type == "cpu":  # pragma: no cover - needs CUDA
-            stream = self._side_stream(t.device)
-            stream.wait_stream(torch.cuda.current_stream(t.device))
-            buf = torch.empty_like(t, device="cpu", pin_memory=True)
-            with torch.cuda.stream(stream):
-                buf.copy_(t, non_blocking=True)
-                t.record_stream(stream)
-                ev = torch.cuda.Event()
-                ev.record(stream)
-            return [buf, t.device, ev, None]
-        # ops called inside a dispatch mode may come back wrapped by an active
-        # functorch level: keep the plain tensor underneath
-        return [_base(t.to(dst, copy=True)), t.device, None, None]
-
-    def prefetch(self, h) -> None:
-        buf, device, ev, back = h
-        if back is not None or device.type != "cuda":
-            return
-        stream = self._side_stream(device)  # pragma: no cover - needs CUDA
-        with torch.cuda.stream(stream):  # pragma: no cover
-            if ev is not None:
-                stream.wait_event(ev)
-            h[3] = buf.to(device, non_blocking=True)
-            ev2 = torch.cuda.Event()
-            ev2.record(stream)
-            h[2] = ev2
-
-    def fetch(self, h) -> torch.Tensor:
-        buf, device, ev, back = h
-        self.to_src += 1
-        if device.type == "cuda":  # pragma: no cover - needs CUDA
-            if back is None:
-                self.prefetch(h)
-                back = h[3]
-            torch.cuda.current_stream(device).wait_event(h[2])
-            back.record_stream(torch.cuda.current_stream(device))
-            h[3] = None  # the next backward fetches again
-            return back
-        return _base(buf.to(device, copy=True))
 
 
 class _Entry:

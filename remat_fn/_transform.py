@@ -23,7 +23,7 @@ from ._errors import RematError
 from ._functional import functional_call
 from ._pytree import flatten_output
 from ._rng_state import devices_of
-from .policies import everything_saveable, memory_budget
+from .policies import everything_saveable, memory_budget, normalize_policy
 
 __all__ = ["remat", "checkpoint", "call_once"]
 
@@ -139,8 +139,6 @@ checkpoint = remat
 
 
 def _resolve_policy(policy: Any):
-    from ._saving import normalize_policy
-
     return normalize_policy(policy)
 
 

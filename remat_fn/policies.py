@@ -55,6 +55,9 @@ __all__ = [
     "memory_budget",
     "DOT_OPS",
     "DOT_OPS_NO_BATCH",
+    "PolicyContext",
+    "decide",
+    "normalize_policy",
 ]
 
 aten = torch.ops.aten
@@ -247,7 +250,6 @@ class save_from_both_policies:
     policy_2: Any
 
     def __call__(self, ctx, op, *args, **kwargs):
-        from ._saving import decide
 
         d1 = decide(self.policy_1, ctx, op, args, kwargs)
         d2 = decide(self.policy_2, ctx, op, args, kwargs)
@@ -340,3 +342,101 @@ class memory_budget:
         # Under torch.compile the plan is not available; torch's own partitioner
         # decides (see torch._functorch.config.activation_memory_budget).
         return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# -- the policy protocol: what a policy sees and how its answer is read ---------------
+
+
+_SAVE = frozenset({CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE})
+_CPU_OFFLOAD = frozenset(
+    p for p in (getattr(CheckpointPolicy, "MUST_CPU_OFFLOAD", None),
+                getattr(CheckpointPolicy, "PREFER_CPU_OFFLOAD", None)) if p is not None
+)
+
+
+class PolicyContext:
+    """What a policy sees as ``ctx``: every attribute of torch's
+    ``SelectiveCheckpointContext`` (``is_recompute``, always ``False`` since
+    policies are only asked during the forward, and ``op_output``, the op's
+    output) plus ``key`` (``(op, n-th call)``) and ``name`` (for named values)."""
+
+    __slots__ = ("is_recompute", "op_output", "key", "name")
+
+    def __init__(self):
+        self.is_recompute = False
+        self.op_output = None
+        self.key = None
+        self.name = None
+
+
+def decide(policy, ctx, op, args, kwargs):
+    """Normalise a policy's answer to ``"save"``, ``"recompute"``, ``"force"`` or an Offload."""
+    d = policy(ctx, op, *args, **kwargs)
+    if d is True:
+        return "save"
+    if d is False:
+        return "recompute"
+    if isinstance(d, CheckpointPolicy):
+        if d in _SAVE:
+            return "save"
+        if d in _CPU_OFFLOAD:
+            return Offload("cpu")
+        if d is CheckpointPolicy.MUST_RECOMPUTE and op is NAMED:
+            return "force"
+        return "recompute"
+    if isinstance(d, Offload):
+        return d
+    raise PolicyError(
+        f"the policy {getattr(policy, '__name__', policy)!r} returned {d!r} for {op}; a policy "
+        "must return a bool, a torch.utils.checkpoint.CheckpointPolicy or a "
+        "remat_fn.policies.Offload. Fix the policy's return value."
+    )
+
+
+class _OpList:
+    """A list of ops given as a policy: save exactly those ops."""
+
+    __slots__ = ("ops",)
+
+    def __init__(self, ops):
+        items = set()
+        for o in ops:
+            if not isinstance(o, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+                raise PolicyError(
+                    f"a list policy must contain aten ops (e.g. torch.ops.aten.mm.default), "
+                    f"got {o!r}"
+                )
+            items.add(o)
+        self.ops = frozenset(items)
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        return op is not NAMED and (op in self.ops or getattr(op, "overloadpacket", None) in self.ops)
+
+    def __repr__(self):
+        return f"ops({sorted(map(str, self.ops))})"
+
+
+def normalize_policy(policy):
+    """``None`` for "recompute everything", otherwise a callable policy."""
+    if policy is None or policy is nothing_saveable:
+        return None
+    if isinstance(policy, (list, tuple, set, frozenset)):
+        return _OpList(policy)
+    if isinstance(policy, str):
+        hint = (f" Fix: policy=remat_fn.policies.{policy}" if callable(globals().get(policy))
+                else " Fix: pass a policy object, e.g. remat_fn.policies.dots_saveable")
+        raise PolicyError(f"policy must be a policy object, not the string {policy!r}.{hint}.")
+    if isinstance(policy, type):
+        # a parameterised policy class passed without calling it
+        raise PolicyError(
+            f"policy={policy.__name__} is a policy factory, not a policy: call it with its "
+            f"arguments, e.g. policy=remat_fn.policies.{policy.__name__}(...)"
+            + (" with the names to save." if "names" in policy.__name__ else ".")
+        )
+    if callable(policy):
+        return policy
+    raise PolicyError(
+        f"policy must be None, a callable policy(ctx, op, *args, **kwargs) (e.g. one of "
+        f"remat_fn.policies) or a list of aten ops; got {type(policy).__name__} {policy!r}. "
+        "Fix: pass e.g. policy=remat_fn.policies.dots_saveable."
+    )

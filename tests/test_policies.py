@@ -109,16 +109,16 @@ def test_recompute_counts(eager):
 
 
 def test_offload_moves_and_restores_with_counted_transfers(monkeypatch):
-    from remat_fn import _saving
+    from remat_fn import _offload
 
     made = []
-    orig = _saving.Offloader.__init__
+    orig = _offload.Offloader.__init__
 
     def init(self):
         orig(self)
         made.append(self)
 
-    monkeypatch.setattr(_saving.Offloader, "__init__", init)
+    monkeypatch.setattr(_offload.Offloader, "__init__", init)
     pol = P.save_and_offload_only_these_names(names_which_can_be_offloaded=["h"], offload_src="cpu",
                                               offload_dst="cpu")
     rblk = remat(block, policy=pol)
