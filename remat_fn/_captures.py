@@ -35,7 +35,7 @@ from ._debug import CallTrace
 from ._errors import RematError
 
 __all__ = ["needs_grad", "scan", "Scan", "CaptureMode", "MissedCapture", "describe",
-           "mutated_input", "entered", "region_depth", "unwrap_all"]
+           "mutated_input", "entered", "region_depth", "unwrap_all", "storage_ptr"]
 
 _F = torch._C._functorch
 _SKIP_MODULE_PREFIXES = ("torch", "optree", "remat_fn", "numpy", "builtins", "functools")
@@ -186,6 +186,15 @@ def unwrap_all(t: torch.Tensor) -> torch.Tensor:
     while _F.is_functorch_wrapped_tensor(t):
         t = _F.get_unwrapped(t)
     return t
+
+
+def storage_ptr(t: torch.Tensor) -> int | None:
+    """The address of the storage behind ``t`` (below functorch wrappers); ``None``
+    for a tensor without one (sparse, a wrapper whose level is live)."""
+    try:
+        return unwrap_all(t).untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -420,10 +429,8 @@ class CaptureMode(TorchFunctionMode):
     def _made_inside(self, x: torch.Tensor) -> bool:
         if self.produced is None:
             return False
-        try:
-            made = unwrap_all(x).untyped_storage().data_ptr() in self.produced
-        except (RuntimeError, NotImplementedError):
-            return False
+        ptr = storage_ptr(x)
+        made = ptr is not None and ptr in self.produced
         if made:
             self.known.add(id(x))
         return made
@@ -472,11 +479,8 @@ class _Produced(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if not func.is_view:
             for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(t, torch.Tensor):
-                    try:
-                        self.produced.add(t.untyped_storage().data_ptr())
-                    except (RuntimeError, NotImplementedError):
-                        pass
+                if isinstance(t, torch.Tensor) and (ptr := storage_ptr(t)) is not None:
+                    self.produced.add(ptr)
         return out
 
 

@@ -24,7 +24,7 @@ import torch
 
 from ._autocast import AutocastState
 from ._budget import Measuring
-from ._captures import mutated_input, scan
+from ._captures import mutated_input, scan, storage_ptr
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._profile import active, storage_bytes, timer
 from ._rng_state import RNGSnapshot
@@ -81,13 +81,6 @@ class _Direct:
 
 def _DEAD():  # the weakref of a saved tensor that needs no recomputation
     return None
-
-
-def _ptr(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # pragma: no cover - storage-less subclasses
-        return -1
 
 
 class _Frame:
@@ -161,8 +154,8 @@ class _Frame:
 
     def _pack(self, t: torch.Tensor) -> Any:
         rec = self.rec
-        if rec is not None:
-            ptr = _ptr(t)
+        ptr = storage_ptr(t) if rec is not None else None
+        if ptr is not None:  # (a tensor without a storage, e.g. sparse, is never kept)
             self.saved_ptrs[ptr] = nbytes = t.untyped_storage().nbytes()
             if type(rec.policy) is Measuring:  # memory_budget's first call
                 rec.policy.note_saved(ptr, nbytes)

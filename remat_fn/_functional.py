@@ -32,7 +32,7 @@ import torch
 
 from ._autocast import AutocastState
 from ._budget import BudgetPlanner, Measuring
-from ._captures import CaptureMode, MissedCapture, describe, needs_grad, unwrap_all
+from ._captures import CaptureMode, MissedCapture, describe, needs_grad, storage_ptr, unwrap_all
 from ._debug import CallTrace
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._profile import active, storage_bytes
@@ -153,12 +153,7 @@ class _RematFunction(torch.autograd.Function):
                 # keep no more than autograd saves (see Record.prune), and the
                 # region's outputs: alive anyway (usually the next region's input),
                 # and this path always recomputes up to them
-                keep = set(saved)
-                for o in outs:
-                    try:
-                        keep.add(unwrap_all(o).untyped_storage().data_ptr())
-                    except (RuntimeError, NotImplementedError):
-                        pass
+                keep = set(saved) | {p for o in outs if (p := storage_ptr(o)) is not None}
                 spec.rec.prune(keep)
                 if isinstance(spec.rec.policy, Measuring):  # memory_budget's first call
                     spec.rec.policy.finish(saved)

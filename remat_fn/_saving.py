@@ -22,7 +22,7 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._captures import describe
+from ._captures import describe, storage_ptr
 from ._captures import unwrap_all as _base
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError
 from ._offload import Offloader
@@ -142,7 +142,7 @@ class Record:
         if d == "save":
             e = self.entries.setdefault(key, _Entry(_meta(args)))
             e.out = _kept(out)
-            self.kept_ptrs.update(_ptr(t) for t in leaves if isinstance(t, torch.Tensor))
+            self.kept_ptrs.update(storage_ptr(t) for t in leaves if isinstance(t, torch.Tensor))
         elif isinstance(d, Offload):
             self._offload(key, leaves, range(len(leaves)), d)
 
@@ -179,18 +179,18 @@ class Record:
             if e.out is None:
                 e.parts[i] = _kept(base)
             e.name = name
-            self.kept_ptrs.add(_ptr(base))
+            self.kept_ptrs.add(storage_ptr(base))
         elif isinstance(d, Offload):
             leaves = [None] * n
             leaves[i] = base
             e = self.entries.get(key)
             if e is not None and e.out is not None:  # op rule saved it; offload instead
                 e.out = None
-            self.kept_ptrs.discard(_ptr(base))
+            self.kept_ptrs.discard(storage_ptr(base))
             self._offload(key, leaves, (i,), d, name)
         elif d == "force":
             self.entries.pop(key, None)
-            self.kept_ptrs.discard(_ptr(base))
+            self.kept_ptrs.discard(storage_ptr(base))
 
     def stash_through(self, hooks) -> None:
         """Store the kept tensors through enclosing saved-tensor hooks."""
@@ -247,9 +247,9 @@ class Record:
             e = self.entries[key]
             if e.out is not None:
                 leaves = e.out if type(e.out) in (tuple, list) else (e.out,)
-                if not any(isinstance(t, torch.Tensor) and _ptr(t) in saved for t in leaves):
+                if not any(isinstance(t, torch.Tensor) and storage_ptr(t) in saved for t in leaves):
                     e.out = None
-            for i in [i for i, t in e.parts.items() if _ptr(t) not in saved]:
+            for i in [i for i, t in e.parts.items() if storage_ptr(t) not in saved]:
                 del e.parts[i]
             if e.out is None and not e.parts and not e.offloaded:
                 del self.entries[key]
@@ -259,14 +259,14 @@ class Record:
         memory a kept value shares.  (The tensors a dispatch mode sees do not share
         version counters with the ones autograd hands out, so the check goes
         through the outputs, the only tensors of the region a caller can modify.)"""
-        kept = {_ptr(t) for _, _, t, kind, _ in self.kept() if kind == "saved"}
+        kept = {storage_ptr(t) for _, _, t, kind, _ in self.kept() if kind == "saved"}
         kept.discard(None)
         if not kept:
             return
         for o in outputs:
             if isinstance(o, torch.Tensor):
                 b = _base(o)
-                if _ptr(b) in kept:
+                if storage_ptr(b) in kept:
                     self.versions.append((b, b._version))
 
     # -- recompute -------------------------------------------------------------
@@ -308,13 +308,6 @@ class Record:
         for i, h in e.offloaded.items():
             leaves[i] = self.offloader.fetch(h)
         return type(out)(leaves) if multi else leaves[0]
-
-
-def _ptr(t: torch.Tensor) -> int | None:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # wrappers without storage
-        return None
 
 
 def _single_output(func) -> bool:

@@ -165,8 +165,6 @@ def _make(fun, *, policy, static_argnums, static_argnames, prevent_cse, preserve
     name = _name_of(fun)
     pol = BudgetPlanner(policy) if isinstance(policy, memory_budget) else policy
 
-    from .policies import everything_saveable
-
     if policy is everything_saveable:
         # Saving everything autograd needs is exactly what plain autograd does:
         # remat becomes a no-op, as in JAX (and keeps no more than no remat).
@@ -177,13 +175,8 @@ def _make(fun, *, policy, static_argnums, static_argnames, prevent_cse, preserve
                        preserve_rng_state, debug)
 
     def wrapper(*args, **kwargs):
-        if torch.compiler.is_compiling():  # see remat_fn/_compile.py
-            from ._compile import compiled_call
-
-            return compiled_call(fun, args, kwargs, policy=policy, preserve_rng_state=preserve_rng_state)
-        with entered():
-            return _call(fun, name, args, kwargs, static_argnums, static_argnames,
-                         preserve_rng_state, debug, pol)
+        return _run(fun, name, args, kwargs, static_argnums, static_argnames, preserve_rng_state,
+                    debug, policy, pol)
 
     return _finish(wrapper, fun, policy, static_argnums, static_argnames, prevent_cse,
                    preserve_rng_state, debug)
@@ -199,13 +192,18 @@ def call_once(fun, args: tuple, kwargs: dict, *, policy: Any = None, preserve_rn
         policy = _resolve_policy(policy)
         if policy is everything_saveable:
             return fun(*args, **kwargs)
+    pol = BudgetPlanner(policy) if isinstance(policy, memory_budget) else policy
+    return _run(fun, _name_of(fun), args, kwargs, (), frozenset(), preserve_rng_state, debug, policy, pol)
+
+
+def _run(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug, policy, pol):
+    """One call of a region: under torch.compile, torch's checkpoint region; else a path."""
     if torch.compiler.is_compiling():  # see remat_fn/_compile.py
         from ._compile import compiled_call
 
         return compiled_call(fun, args, kwargs, policy=policy, preserve_rng_state=preserve_rng_state)
-    pol = BudgetPlanner(policy) if isinstance(policy, memory_budget) else policy
     with entered():
-        return _call(fun, _name_of(fun), args, kwargs, (), frozenset(), preserve_rng_state, debug, pol)
+        return _call(fun, name, args, kwargs, argnums, argnames, preserve_rng_state, debug, pol)
 
 
 def _finish(wrapper, fun, policy, static_argnums, static_argnames, prevent_cse, preserve_rng_state, debug):
