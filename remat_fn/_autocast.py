@@ -51,10 +51,6 @@ class AutocastState:
         self.device = torch.get_default_device()
         self._saved: list = []
 
-    @property
-    def enabled(self) -> bool:
-        return any(e for _, e, _ in self.flags)
-
     def _autocast_same(self, other: AutocastState) -> bool:
         return self.flags == other.flags and self.cache == other.cache
 
