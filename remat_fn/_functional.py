@@ -240,13 +240,15 @@ def _saved_storages(outs) -> dict[int, int]:
     what it saved as ``_saved_*`` attributes.
     """
     found: dict[int, int] = {}
-    seen: set[int] = set()
+    # Python node objects may be made afresh by each ``next_functions`` read and
+    # freed after use; holding them keeps their ids from being reused
+    seen: dict[int, Any] = {}
     stack = [o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         names = _SAVED_ATTRS.get(type(node))
         if names is None:
             names = _SAVED_ATTRS[type(node)] = tuple(

@@ -63,7 +63,9 @@ class Offloader:
         with torch.cuda.stream(stream):  # pragma: no cover
             if ev is not None:
                 stream.wait_event(ev)
-            h[3] = buf.to(device, non_blocking=True)
+            # inside a dispatch mode under a functorch level the copy comes
+            # back wrapped; streams need the plain tensor underneath
+            h[3] = _base(buf.to(device, non_blocking=True))
             ev2 = torch.cuda.Event()
             ev2.record(stream)
             h[2] = ev2

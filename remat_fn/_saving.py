@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any
 
 import optree
@@ -86,6 +87,8 @@ class Record:
     def __init__(self, policy, offloader: Offloader | None = None):
         self.policy = policy
         self.entries: dict[tuple, _Entry] = {}
+        # id(output) -> (op key, index, n outputs, weakref to the output): ids of
+        # freed tensors are reused, so a hit counts only while the ref is live
         self.producer: dict[int, tuple] = {}
         self.offloader = offloader or Offloader()
         self.ctx = PolicyContext()
@@ -126,7 +129,7 @@ class Record:
         leaves = out if type(out) in (tuple, list) else (out,)
         for i, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
-                self.producer[id(t)] = (key, i, len(leaves))
+                self.producer[id(t)] = (key, i, len(leaves), weakref.ref(t))
         if self.policy is None or func._schema.is_mutable or func.is_view:
             return
         if not any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) for t in leaves):
@@ -171,9 +174,9 @@ class Record:
         finally:
             ctx.op_output = None
         where = self.producer.get(id(base))
-        if where is None:
+        if where is None or where[3]() is not base:
             return  # an input of the region (always kept) or not made by an op
-        key, i, n = where
+        key, i, n, _ = where
         if d == "save":
             e = self.entries.setdefault(key, _Entry(None))
             if e.out is None:

@@ -545,6 +545,8 @@ def _is_int(value: object) -> bool:
         return True
     if isinstance(value, Tensor):
         return value.dim() == 0 and not value.dtype.is_floating_point and value.dtype != torch.bool
+    if isinstance(value, (tuple, list)):  # torch.Size too; dynamo refuses operator.index on it
+        return False
     try:
         operator.index(value)  # type: ignore[arg-type]
     except TypeError:
