@@ -13,8 +13,8 @@ from . import policies
 from ._debug import set_debug_enabled
 from ._errors import MutatedSavedTensorError, PolicyError, RecomputeMismatchError, RematError
 from ._profile import Profile, RegionStats, profile
+from ._record import checkpoint_name
 from ._residuals import Residual, print_saved_residuals, saved_residuals
-from ._saving import checkpoint_name
 from ._structured import remat_scan, remat_sequential
 from ._transform import checkpoint, remat
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ._functorch import transform_kinds
 from .policies import DOT_OPS, NAMED
 
 __all__ = ["Plan", "Measuring", "BudgetPlanner", "solve", "op_cost", "make_plan", "stats", "clear_plans"]
@@ -273,7 +274,7 @@ class BudgetPlanner:
     def policy_for(self, fun: Any, tensors, path: str):
         # under torch.func the ops a region runs depend on the transforms around it
         # (vmap batches them): the stack of transform types is part of the key
-        stack = tuple(str(i.key()) for i in torch._C._functorch.get_interpreter_stack() or ())
+        stack = transform_kinds()
         key = (path, stack, self.fraction, callable_key(fun), tuple(_tensor_key(t) for t in tensors))
         with _lock:
             plan = _plans.get(key)

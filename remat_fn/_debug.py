@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._describe import describe_meta, user_frame
 from ._errors import RecomputeMismatchError
-from ._format import short_dtype, user_frame
 
 __all__ = ["OpTrace", "CallTrace", "format_traces", "set_debug_enabled", "early_stop", "checks"]
 
@@ -168,5 +168,5 @@ def _fname(func) -> str:
 
 
 def _fmeta(meta) -> str:
-    parts = [f"{short_dtype(m[1])}[{','.join(map(str, m[0]))}]" if m else "-" for m in meta]
+    parts = [describe_meta(m[0], m[1]) if m else "-" for m in meta]
     return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"

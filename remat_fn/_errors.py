@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import torch
+
+from ._describe import describe
+
 __all__ = [
     "RematError",
     "RecomputeMismatchError",
     "MutatedSavedTensorError",
     "PolicyError",
+    "mutated_input",
 ]
 
 
@@ -29,3 +34,12 @@ class MutatedSavedTensorError(RematError):
 
 class PolicyError(RematError):
     """A policy returned an invalid decision or was configured inconsistently."""
+
+
+def mutated_input(name: str, t: torch.Tensor) -> RematError:
+    """The error for a region that modifies one of its inputs in place."""
+    return RematError(
+        f"remat({name}) modified its input {describe(t)} in place; recomputing the region in "
+        "backward would apply the change twice. Fix: work on a copy inside the function "
+        "(x = x.clone()) or move the in-place update out of the rematerialised region."
+    )

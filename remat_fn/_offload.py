@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._captures import unwrap_all as _base
+from ._functorch import unwrap_all as _base
 
 __all__ = ["Offloader"]
 

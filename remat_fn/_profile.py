@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ._captures import unwrap_all
+from ._functorch import unwrap_all
 
 __all__ = ["profile", "Profile", "RegionStats", "active", "storage_bytes", "timer"]
 

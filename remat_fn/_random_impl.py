@@ -24,6 +24,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from ._functorch import is_wrapped, transforms_active
+
 __all__: list[str] = []  # private module: nothing is re-exported from here
 
 # ---------------------------------------------------------------------------
@@ -275,7 +277,7 @@ def _empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Te
 def _vectorisable(keys: Tensor) -> bool:
     # The vectorised Threefry reads key values (range check), so it needs a
     # plain (B, 2) tensor, not one still wrapped by an outer transform level.
-    return keys.dim() == 2 and not torch._C._functorch.is_functorch_wrapped_tensor(keys)
+    return keys.dim() == 2 and not is_wrapped(keys)
 
 
 def _stack_keys(keys: Tensor, rows: list[Tensor], row_shape: tuple[int, ...]) -> Tensor:
@@ -466,7 +468,7 @@ def dispatch(op: Any, key: Tensor, *args: Any) -> Tensor:
     if (
         not torch.compiler.is_compiling()  # first: the checks below are not traceable
         and type(key) is torch.Tensor
-        and not torch._C._are_functorch_transforms_active()
+        and not transforms_active()
         and torch._C._len_torch_dispatch_stack() == 0
         and not torch._C._is_torch_function_mode_enabled()
     ):

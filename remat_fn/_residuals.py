@@ -24,9 +24,10 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._captures import scan
+from ._closures import reachable_tensors
+from ._describe import describe_meta, user_frame
 from ._errors import RematError
-from ._format import short_dtype, user_frame
+from ._functorch import transforms_active
 
 __all__ = ["Residual", "saved_residuals", "print_saved_residuals", "residual_sink"]
 
@@ -47,7 +48,7 @@ class Residual:
     source: str | None
 
     def __str__(self) -> str:
-        head = f"{short_dtype(self.dtype)}[{','.join(str(s) for s in self.shape)}]"
+        head = describe_meta(self.shape, self.dtype)
         if self.kind == "argument":
             return f"{head} from the argument {self.source}"
         if self.kind == "closure":
@@ -114,7 +115,7 @@ def saved_residuals(fun: Any, *args: Any, **kwargs: Any) -> list[Residual]:
     >>> [r.kind for r in remat_fn.saved_residuals(f, torch.ones(3))]
     ['argument']
     """
-    if torch._C._are_functorch_transforms_active():
+    if transforms_active():
         raise RematError(
             "saved_residuals runs the function with eager autograd; call it outside "
             "torch.func transforms (it reports what each region keeps in either mode)."
@@ -134,7 +135,7 @@ def saved_residuals(fun: Any, *args: Any, **kwargs: Any) -> list[Residual]:
         new_leaves.append(x)
     a, kw = optree.tree_unflatten(spec, new_leaves)
     closures: dict[int, torch.Tensor] = {}
-    sc = scan(fun)
+    sc = reachable_tensors(fun)
     for t in sc.tensors.values():
         try:
             closures.setdefault(t.untyped_storage().data_ptr(), t)

@@ -42,8 +42,12 @@ from typing import Any
 
 import optree
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-__all__ = ["remat_sequential", "remat_scan", "revolve_evaluations"]
+from ._functorch import unwrap_all
+from ._transform import remat
+
+__all__ = ["remat_sequential", "remat_scan", "revolve_evaluations", "sequential_segments"]
 
 
 # --------------------------------------------------------------------------- sequential
@@ -53,9 +57,9 @@ def _run_chain(functions, x):
     return x
 
 
-def _sequential(functions, segments, input, *, policy, preserve_rng_state):
-    from ._transform import remat
-
+def sequential_segments(functions, segments, input, *, policy, preserve_rng_state):
+    """``checkpoint_sequential``'s segmentation with remat (shared by ``remat_sequential``
+    and :func:`remat_fn.compat.checkpoint_sequential`)."""
     if isinstance(functions, torch.nn.Sequential):
         functions = list(functions.children())
     else:
@@ -93,7 +97,7 @@ def remat_sequential(functions, segments: int, input, *, policy=None):
     >>> torch.allclose(remat_fn.remat_sequential(net, 2, x), net(x))
     True
     """
-    return _sequential(functions, segments, input, policy=policy, preserve_rng_state=True)
+    return sequential_segments(functions, segments, input, policy=policy, preserve_rng_state=True)
 
 
 # --------------------------------------------------------------------------- scan
@@ -147,8 +151,6 @@ def _revolve_region(f, n, c, opts, carry, xs):
 
 
 def _revolve(f, carry, xs, n, c, opts, ys):
-    from ._transform import remat
-
     while n > 1:
         m = _split(n, c)
         region = functools.partial(_revolve_region, f, m, c, opts)
@@ -216,10 +218,6 @@ def _stack(ys: list):
 def _empty_ys(f, init, xs):
     """The stacked outputs of a zero-length scan: like ``lax.scan``, ``f`` is traced
     once (here on fake tensors: no compute, no RNG draw) for the shape of ``y``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from ._captures import unwrap_all
-
     def step_input(t):
         return torch.empty(t.shape[1:], dtype=t.dtype, device=t.device) if isinstance(t, torch.Tensor) else t
 
@@ -292,8 +290,6 @@ def remat_scan(
     >>> ys.shape
     torch.Size([10])
     """
-    from ._transform import remat
-
     n = _scan_length(xs, length)
     opts = dict(policy=policy)
     ys: list = []

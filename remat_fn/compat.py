@@ -49,6 +49,8 @@ import torch
 import torch.utils.checkpoint as _tc
 
 from ._debug import early_stop as _early_stop
+from ._functorch import transforms_active
+from ._structured import sequential_segments
 from ._transform import call_once
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
@@ -142,7 +144,7 @@ def checkpoint(
     if not callable(function):
         raise TypeError(f"checkpoint expects a callable, got {type(function).__name__}")
     if torch.compiler.is_compiling():
-        if torch._C._are_functorch_transforms_active():
+        if transforms_active():
             return function(*args, **kwargs)  # see remat_fn/_compile.py
         return _tc.checkpoint(
             function, *args, use_reentrant=False,
@@ -153,7 +155,7 @@ def checkpoint(
     global_debug = getattr(_tc, "_checkpoint_debug_enabled", None)
     if global_debug is not None:
         debug = global_debug
-    if not torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active():
+    if not torch.is_grad_enabled() and not transforms_active():
         # As torch: without grad mode nothing is saved and context_fn is not used.
         return function(*args, **kwargs)
     policy, contexts = _policy_of(context_fn)
@@ -185,7 +187,5 @@ def checkpoint_sequential(functions, segments, input, use_reentrant: bool | None
         return _tc.checkpoint_sequential(
             functions, segments, input, use_reentrant=False, preserve_rng_state=preserve
         )
-    from ._structured import _sequential
-
-    return _sequential(functions, segments, input, policy=None, preserve_rng_state=preserve)
+    return sequential_segments(functions, segments, input, policy=None, preserve_rng_state=preserve)
 

@@ -12,7 +12,7 @@ all-gather.
 How it works (eager autograd).  Around each call of the region a pair of
 saved-tensor hooks is pushed.  A region called while hooks are active stores
 its tensor inputs (and, with a policy, the tensors the policy saves) through
-them (see :mod:`remat_fn._eager`), so:
+them (see :mod:`remat_fn._path_hooks`), so:
 
 * ``pack`` keeps a *copy* of this rank's ``1/world_size`` slice of the
   tensor's bytes (padded so that every rank's slice has the same length; the
@@ -85,20 +85,21 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import optree
 import torch
+import torch.distributed as dist
 
+from ._describe import describe_meta
 from ._errors import RematError
-from ._transform import _hooks_enabled
-from ._transform import remat as _plain_remat
+from ._functorch import transforms_active
+from ._path_hooks import hooks_enabled
+from ._region import Options, RegionCall
+from ._transform import make_wrapper
 
 __all__ = ["remat", "checkpoint", "default_should_partition"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 _set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", lambda ts, vs: None)
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
 
@@ -179,10 +180,6 @@ def _dense(t: torch.Tensor) -> bool:
 
 def _active_group(group):
     """``(group, rank, size)`` if partitioning applies, else None."""
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover
-        return None
     if not dist.is_available() or not dist.is_initialized():
         return None
     if group is not None and hasattr(group, "get_group") and not isinstance(
@@ -204,8 +201,6 @@ def _active_group(group):
 
 
 def _gather_fn():
-    import torch.distributed as dist
-
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -305,11 +300,8 @@ def _checksum(flat: torch.Tensor) -> torch.Tensor:
 
 
 def _not_replicated_msg(part: _Part) -> str:
-    from ._format import short_dtype
-
-    dims = ",".join(str(s) for s in part.shape)
     return (
-        f"remat_fn.distributed.remat: the tensor {short_dtype(part.dtype)}[{dims}] rebuilt from "
+        f"remat_fn.distributed.remat: the tensor {describe_meta(part.shape, part.dtype)} rebuilt from "
         f"the slices of the {part.size} ranks of the group differs from the one this rank saved: "
         "it was not identical on every rank. Partitioning is for activations that are "
         "replicated across the group (a tensor/model-parallel group), not for data-parallel "
@@ -448,9 +440,9 @@ def _prefetch(prev_ref) -> None:
 def _partitioning_possible() -> bool:
     if torch.compiler.is_compiling():
         return False  # compiled regions delegate to torch's checkpoint (no hooks)
-    if torch._C._are_functorch_transforms_active():
+    if transforms_active():
         return False  # torch.func refuses saved-tensor hooks
-    return torch.is_grad_enabled() and _hooks_enabled()
+    return torch.is_grad_enabled() and hooks_enabled()
 
 
 def remat(
@@ -509,44 +501,33 @@ def remat(
         should_partition=should_partition,
     )
     if fun is None:
+        Options.create(**{k: v for k, v in opts.items() if k in _REMAT_OPTIONS})  # validate now
         return functools.partial(_make, **opts)  # type: ignore[return-value]
     return _make(fun, **opts)
 
 
+_REMAT_OPTIONS = ("policy", "static_argnums", "static_argnames", "prevent_cse", "preserve_rng_state",
+                  "debug")
 checkpoint = remat
 
 
 def _make(fun, *, group, min_bytes, prefetch, check_replicated, should_partition, **remat_opts):
-    inner = _plain_remat(fun, **remat_opts)  # validates the remat options
     with_policy = remat_opts["policy"] is not None
 
-    def wrapper(*args, **kwargs):
+    def outer_hooks(call: RegionCall):
+        """The partitioning hooks for one eager call of the region (None: plain remat)."""
         if not _partitioning_possible():
-            return inner(*args, **kwargs)
+            return None
         info = _active_group(group)
         if info is None:
-            return inner(*args, **kwargs)
-        inputs = [x for x in optree.tree_leaves((args, kwargs), none_is_leaf=True)
-                  if isinstance(x, torch.Tensor)]
+            return None
         hooks = _Hooks(info, _top_hooks(False), should_partition, min_bytes,
-                       check_replicated, prefetch, inputs, with_policy)
-        _push_hooks(hooks.pack, hooks.unpack)
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            _pop_hooks()
+                       check_replicated, prefetch, call.all_tensors(), with_policy)
+        return hooks.pack, hooks.unpack
 
-    try:
-        functools.update_wrapper(wrapper, fun)
-    except (AttributeError, TypeError):  # pragma: no cover
-        pass
-    wrapper.__wrapped__ = fun  # type: ignore[attr-defined]
-    if isinstance(fun, torch.nn.Module):
-        wrapper.__name__ = type(fun).__name__
-        wrapper.__qualname__ = type(fun).__qualname__
-        wrapper.__doc__ = type(fun).__doc__
+    wrapper = make_wrapper(fun, Options.create(**remat_opts, outer_hooks=outer_hooks))
     wrapper.remat_options = dict(  # type: ignore[attr-defined]
-        inner.remat_options, group=group, min_bytes=min_bytes, prefetch=prefetch,
+        wrapper.remat_options, group=group, min_bytes=min_bytes, prefetch=prefetch,
         check_replicated=check_replicated, should_partition=should_partition,
     )
     return wrapper

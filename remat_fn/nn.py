@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ._transform import remat
+
 __all__ = ["remat_module", "apply_remat", "unremat_module", "is_remat_module"]
 
 _CLASSES: dict[type, type] = {}
@@ -32,8 +34,6 @@ def _make_class(cls: type[torch.nn.Module]) -> type:
     sub = _CLASSES.get(cls)
     if sub is not None:
         return sub
-    from ._transform import remat
-
     def forward(self, *args, **kwargs):
         policy = self.__dict__.get(_POLICY_ATTR)
         return remat(cls.forward.__get__(self), policy=policy)(*args, **kwargs)
@@ -75,8 +75,6 @@ def remat_module(module: torch.nn.Module, *, policy: Any = None) -> torch.nn.Mod
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"remat_module expects an nn.Module, got {type(module).__name__}")
-    from ._transform import remat
-
     remat(_noop, policy=policy)  # an invalid policy fails now, not at the first forward
     if not is_remat_module(module):
         module.__class__ = _make_class(type(module))

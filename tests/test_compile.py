@@ -25,7 +25,6 @@ PRELUDE = textwrap.dedent(
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from functorch.compile import make_boxed_func
-    from remat_fn._compile import compiled_call
 
     def counting_backend(counts):
         def count(key):
@@ -78,7 +77,7 @@ def test_compile_mm_counts_follow_policy_and_backends_match():
         # policy: save mm outputs (the policy that remat(policy=...) hands to torch's SAC)
         c = {}
         torch._dynamo.reset()
-        g = torch.compile(lambda x: compiled_call(block, (x,), {}, policy=save_mm).sum(),
+        g = torch.compile(lambda x: remat_fn.remat(block, policy=save_mm)(x).sum(),
                           backend=counting_backend(c), fullgraph=True)
         out["save_mm"] = dict(ok=close(torch.autograd.grad(g(x), (x, w1, w2))), **c)
         for be in ["aot_eager", "inductor"]:

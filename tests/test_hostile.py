@@ -215,9 +215,9 @@ def test_grad_of_remat_of_a_function_calling_grad():
 
 
 def test_retries_are_bounded(monkeypatch):
-    from remat_fn import _functional
+    from remat_fn import _path_torch_func
 
-    monkeypatch.setattr(_functional, "_MAX_RETRIES", 2)
+    monkeypatch.setattr(_path_torch_func, "_MAX_RETRIES", 2)
     ws = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
 
     def f(x):  # reaches tensors only through an opaque callable: found one at a time

@@ -1,4 +1,9 @@
-"""Small formatting helpers shared by error messages and residual printing."""
+"""How the library writes about tensors and user code, in errors and reports.
+
+One home for tensor descriptions: ``f32[8,512]`` (JAX's notation, see
+:func:`describe`), with the device where it matters, and the user source line
+(``file.py:12 (block)``) that error messages and residual reports point at.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import traceback
 
 import torch
 
-__all__ = ["short_dtype", "user_frame"]
+__all__ = ["short_dtype", "describe", "describe_meta", "user_frame"]
 
 _SHORT = {
     torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
@@ -25,6 +30,17 @@ _LIB_DIRS = tuple(
 
 def short_dtype(dtype: torch.dtype) -> str:
     return _SHORT.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def describe_meta(shape, dtype: torch.dtype, device=None) -> str:
+    """``f32[8,512]`` from a shape and dtype, with `` on <device>`` when a device is given."""
+    head = f"{short_dtype(dtype)}[{','.join(str(s) for s in shape)}]"
+    return head if device is None else f"{head} on {device}"
+
+
+def describe(t: torch.Tensor, *, device: bool = False) -> str:
+    """Short JAX-style description of a tensor, e.g. ``f32[8,512]``."""
+    return describe_meta(t.shape, t.dtype, t.device if device else None)
 
 
 def user_frame() -> str:

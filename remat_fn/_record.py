@@ -1,4 +1,4 @@
-"""Policy decisions inside a region: what is saved, offloaded or recomputed.
+"""Record and replay of policy decisions: what a region saves, offloads or recomputes.
 
 A :class:`Record` belongs to one call of one region.  During the forward a
 :class:`SaveMode` (a ``TorchDispatchMode``, below autograd and below the
@@ -23,36 +23,18 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._captures import describe, storage_ptr
-from ._captures import unwrap_all as _base
+from ._describe import describe
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError
+from ._functorch import forward_mode_active, storage_ptr
+from ._functorch import unwrap_all as _base
 from ._offload import Offloader
 from ._residuals import residual_sink
 from .policies import NAMED, Offload, PolicyContext, decide
 
-__all__ = ["Record", "SaveMode", "saving", "paused", "checkpoint_name", "forward_mode_active"]
+__all__ = ["Record", "SaveMode", "saving", "paused", "checkpoint_name"]
 
-_F = torch._C._functorch
 _local = threading.local()
 _no_torch_function = torch._C.DisableTorchFunction
-
-def forward_mode_active() -> bool:
-    """True when forward-mode AD (a functorch jvp level or an eager dual level) is on.
-
-    Forward-mode tangent computations run as extra aten ops below the AD layer,
-    interleaved with the region's own ops, so op-position caching cannot be
-    replayed reliably there; such recomputations simply recompute everything.
-    """
-    from torch.autograd import forward_ad
-
-    if getattr(forward_ad, "_current_level", -1) >= 0:
-        return True
-    for i in _F.get_interpreter_stack() or ():
-        if i.key() == _F.TransformType.Jvp:
-            return True
-    return False
-
-
 
 
 def _kept(out):

@@ -9,7 +9,8 @@ so when a functorch transform is active the region runs inside
 * ``backward`` recomputes the region with ``torch.func.vjp`` and applies the
   cotangents; ``jvp`` recomputes with ``torch.func.jvp``.  Both compose with
   every functorch level (``generate_vmap_rule`` covers ``vmap``).
-* Captured tensors (see :mod:`remat_fn._captures`) are extra inputs, so their
+* Tensors the function closes over (found by :mod:`remat_fn._closures`,
+  substituted by :mod:`remat_fn._captures`) are extra inputs, so their
   gradients are exact.
 * Memory under ``grad``: functorch differentiates with ``create_graph=True``,
   which would keep every recomputed activation alive in the graph of the
@@ -25,38 +26,40 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ._autocast import AutocastState
-from ._budget import BudgetPlanner, Measuring
-from ._captures import CaptureMode, MissedCapture, describe, needs_grad, storage_ptr, unwrap_all
+from ._budget import Measuring
+from ._captures import CaptureMode, MissedCapture
+from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
+from ._describe import describe
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
+from ._functorch import grad_wrappers, is_grad_kind, is_wrapped, live_levels, needs_grad, storage_ptr, unwrap_all, unwrap_if_dead
 from ._profile import active, storage_bytes
+from ._record import Record, saving
+from ._region import RegionCall
 from ._rng_state import RNGSnapshot
-from ._saving import Record, saving
 
-__all__ = ["functional_call"]
+__all__ = ["run_torch_func"]
 
-_F = torch._C._functorch
-_GRAD_KEYS = (_F.TransformType.Grad,)
 _NULL = contextlib.nullcontext()
 # Each retry threads one more tensor closed over; real functions close over a
 # bounded number of them, so a long run of retries means a bug, not a model.
 _MAX_RETRIES = 256
 
 
-class _Spec:
-    """Everything the Function needs that is not a tensor input."""
+class _RegionState:
+    """One call's state on this path: everything the Function needs that is not a
+    tensor input (mutable: the forward fills in what backward reads)."""
 
-    __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "scan",
+    __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "reach",
                  "fwd_hits", "rec", "needs", "trace", "views", "autocast", "produced", "prof",
                  "plain_bytes")
 
-    def __init__(self, run, n_in, captured, name, debug, scan):
+    def __init__(self, run, n_in, captured, name, debug, reach: Reachable):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
         self.n_in = n_in
         self.captured = captured
@@ -65,9 +68,9 @@ class _Spec:
         self.out_box: list = []
         self.name = name
         self.debug = debug
-        self.scan = scan
+        self.reach = reach
         self.fwd_hits: set[int] = set()
-        self.rec = None  # remat_fn._saving.Record when a policy is in force
+        self.rec = None  # remat_fn._record.Record when a policy is in force
         self.needs: list[bool] = []  # which tensor inputs need a gradient
         self.trace = CallTrace(where=debug)  # the forward's tensor ops, checked on recompute
         self.views: dict[int, tuple] = {}  # output index -> (input index, size, stride, offset)
@@ -79,7 +82,7 @@ class _Spec:
     def call(self, tensors, known: set[int] | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
         if known is None:  # a recomputation: put functional_call's tensors back
-            with self.scan.relocated():
+            with self.reach.relocated():
                 return self._call(tensors, known)
         return self._call(tensors, known)
 
@@ -122,7 +125,7 @@ class _RematFunction(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(spec: _Spec, *tensors: torch.Tensor):
+    def forward(spec: _RegionState, *tensors: torch.Tensor):
         known = {id(t) for t in tensors}
         wrt = [i for i, n in enumerate(spec.needs) if n] if spec.needs else []
         if wrt:
@@ -186,7 +189,7 @@ class _RematFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        spec: _Spec = ctx.spec
+        spec: _RegionState = ctx.spec
         if all(g is None for g in grads):  # no gradient flows in: nothing to recompute
             return (None,) * len(ctx.needs_input_grad)
         tensors = _saved(ctx, spec)
@@ -196,7 +199,7 @@ class _RematFunction(torch.autograd.Function):
             return tuple(result)
         out_diff = ctx.out_diff
         detach = _can_drop_graph(ctx.saved_tensors, grads)
-        grads = tuple(_F.unwrap_if_dead(g) if g is not None else None for g in grads)
+        grads = tuple(unwrap_if_dead(g) if g is not None else None for g in grads)
         cot = tuple(
             g if g is not None else torch.zeros(m[0], dtype=m[1], device=m[2])
             for g, m, d in zip(grads, spec.out_meta, out_diff)
@@ -217,7 +220,7 @@ class _RematFunction(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, _spec_tangent, *tangents):
-        spec: _Spec = ctx.spec
+        spec: _RegionState = ctx.spec
         tensors = _saved(ctx, spec)
         wrt = [i for i, (t, tt) in enumerate(zip(tensors, tangents)) if tt is not None and _is_diff(t)]
         out_diff = ctx.out_diff
@@ -291,13 +294,13 @@ def _input_views(outs, tensors) -> dict[int, tuple]:
     found = {}
     storages = {}
     for j, t in enumerate(tensors):
-        if not _F.is_functorch_wrapped_tensor(t) and t.layout == torch.strided:
+        if not is_wrapped(t) and t.layout == torch.strided:
             storages.setdefault(t.untyped_storage().data_ptr(), j)
     if not storages:
         return found
     ids = {id(t) for t in tensors}
     for i, o in enumerate(outs):
-        if (id(o) in ids or _F.is_functorch_wrapped_tensor(o) or o.layout != torch.strided
+        if (id(o) in ids or is_wrapped(o) or o.layout != torch.strided
                 or not o.numel()):
             continue  # an input returned as is stays inside (see forward)
         j = storages.get(o.untyped_storage().data_ptr())
@@ -319,7 +322,7 @@ def _replace(tensors, wrt, diff):
     return full
 
 
-def _recompute_fn(spec: _Spec, tensors, wrt, out_diff):
+def _recompute_fn(spec: _RegionState, tensors, wrt, out_diff):
     """The region as a function of its differentiated inputs, returning its differentiable outputs."""
 
     def f(*diff_inputs):
@@ -329,12 +332,12 @@ def _recompute_fn(spec: _Spec, tensors, wrt, out_diff):
     return f
 
 
-def _saved(ctx, spec: _Spec):
-    spec.scan.check_versions(spec.name)
+def _saved(ctx, spec: _RegionState):
+    spec.reach.check_versions(spec.name)
     try:
         # A vjp_fn called after its level exited hands us dead wrappers; a new
         # level created inside this backward may reuse their level number.
-        return tuple(_F.unwrap_if_dead(t) for t in ctx.saved_tensors)
+        return tuple(unwrap_if_dead(t) for t in ctx.saved_tensors)
     except RuntimeError as e:
         if "inplace" in str(e) or "version" in str(e):
             raise MutatedSavedTensorError(
@@ -346,7 +349,7 @@ def _saved(ctx, spec: _Spec):
         raise
 
 
-def _checked(spec: _Spec, outs):
+def _checked(spec: _RegionState, outs):
     meta = spec.out_meta
     if len(outs) != len(meta) or any(_meta(o) != m for o, m in zip(outs, meta)):
         got = [_meta(o) for o in outs]
@@ -357,16 +360,6 @@ def _checked(spec: _Spec, outs):
             "static_argnums/static_argnames), not on global state."
         )
     return outs
-
-
-def _grad_wrappers(t: torch.Tensor):
-    """(level, dead) of each grad/jvp wrapper around ``t``, and the base tensor."""
-    out = []
-    while _F.is_functorch_wrapped_tensor(t):
-        if _F.is_gradtrackingtensor(t):
-            out.append((_F.maybe_get_level(t), bool(_F.is_dead_tensor_wrapper(t))))
-        t = _F.get_unwrapped(t)
-    return out, t
 
 
 def _can_drop_graph(saved, grads) -> bool:
@@ -381,42 +374,34 @@ def _can_drop_graph(saved, grads) -> bool:
     """
     if not torch.is_grad_enabled():
         return False  # already not recording; nothing to gain
-    live = {i.level(): i.key() for i in _F.get_interpreter_stack() or ()}
+    live = live_levels()
     wrappers = []
     for t in (*saved, *grads):
         if isinstance(t, torch.Tensor):
-            ws, base = _grad_wrappers(t)
+            ws, base = grad_wrappers(t)
             if base.requires_grad:
                 return False
             wrappers.extend(ws)
     if not wrappers:
         return False
-    alive = [lv for lv, dead in wrappers if not dead and live.get(lv) in _GRAD_KEYS]
+    alive = [lv for lv, dead in wrappers if not dead and is_grad_kind(live.get(lv))]
     if any(dead for _, dead in wrappers):
         return not alive
     this = max(lv for lv, _ in wrappers)
     return all(lv == this for lv in alive)
 
 
-def functional_call(
-    spec_run: Callable,
-    inputs: list[torch.Tensor],
-    exclude_ids: set[int],
-    fun: Any,
-    name: str,
-    preserve_rng_state: bool,
-    debug: bool,
-    devices: list[torch.device],
-    policy=None,
-):
-    """Apply the region under functorch. Returns (out_tensors, rebuild)."""
-    from ._captures import scan as scan_fn
-
-    scan = scan_fn(fun)
-    captured = scan.captured(exclude_ids)
-    if isinstance(policy, BudgetPlanner):
-        policy = policy.policy_for(fun, [*inputs, *captured], "func")
-    snap = RNGSnapshot(devices) if preserve_rng_state else None
+def run_torch_func(call: RegionCall):
+    """Run the region as a custom ``autograd.Function`` (under ``torch.func``, or
+    wherever saved-tensor hooks cannot be used); returns its output pytree."""
+    call.check_static()
+    inputs = call.inputs
+    name, debug = call.name, call.debug
+    reach = reachable_tensors(call.reach_roots())
+    captured = reach.captured({id(t) for t in inputs})
+    policy = call.policy("func", [*inputs, *captured])
+    devices = call.rng_devices(inputs)
+    snap = RNGSnapshot(devices) if call.opts.preserve_rng_state else None
     produced = None  # storages made inside the region (recorded on retries only)
     prof = active()
     start = time.perf_counter() if prof is not None else 0.0
@@ -428,7 +413,7 @@ def functional_call(
                 f"was {describe(captured[-1])}). Fix: pass the tensors the function differentiates "
                 "as explicit arguments."
             )
-        spec = _Spec(spec_run, len(inputs), captured, name, debug, scan)
+        spec = _RegionState(call.run, len(inputs), captured, name, debug, reach)
         spec.produced = produced
         if policy is not None:
             spec.rec = Record(policy)
@@ -458,7 +443,7 @@ def functional_call(
         break
     if snap is not None and snap.finish():
         spec.rng = snap
-    scan.record_versions(inputs)
+    reach.record_versions(inputs)
     if prof is not None:
         kept = [*inputs, *captured]
         if spec.rec is not None:
@@ -469,4 +454,4 @@ def functional_call(
         outs = list(outs)
         for i, (j, size, stride, offset) in spec.views.items():
             outs[i] = every[j].as_strided(size, stride, offset)
-    return outs, spec.out_box[-1]
+    return spec.out_box[-1](outs)

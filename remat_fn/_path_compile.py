@@ -16,14 +16,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import torch
 import torch.utils.checkpoint as _tc
 
-__all__ = ["is_compiling", "compiled_call", "sac_context_fn"]
+from ._errors import PolicyError
+from ._functorch import transforms_active
+from ._region import RegionCall
+from .policies import nothing_saveable
 
-
-def is_compiling() -> bool:
-    return torch.compiler.is_compiling()
+__all__ = ["run_compiled", "sac_context_fn"]
 
 
 def _to_sac(decision: Any) -> _tc.CheckpointPolicy:
@@ -34,8 +34,6 @@ def _to_sac(decision: Any) -> _tc.CheckpointPolicy:
     name = getattr(decision, "name", None)  # a CheckpointPolicy-like enum of remat_fn
     if isinstance(name, str) and hasattr(_tc.CheckpointPolicy, name):
         return getattr(_tc.CheckpointPolicy, name)
-    from ._errors import PolicyError
-
     raise PolicyError(
         f"a remat policy returned {decision!r}; expected a bool or a "
         "torch.utils.checkpoint.CheckpointPolicy. Fix the policy's return value."
@@ -53,11 +51,7 @@ def sac_context_fn(policy: Any):
     list/tuple/set of ops means "save these ops"; a callable is a SAC policy
     ``policy(ctx, op, *args, **kwargs)`` returning a bool or a ``CheckpointPolicy``.
     """
-    if policy is None:
-        return _tc.noop_context_fn
-    from . import policies
-
-    if policy is getattr(policies, "nothing_saveable", None):
+    if policy is None or policy is nothing_saveable:
         return _tc.noop_context_fn
     if isinstance(policy, (list, tuple, set, frozenset)):
         return functools.partial(_tc.create_selective_checkpoint_contexts, list(policy))
@@ -65,15 +59,14 @@ def sac_context_fn(policy: Any):
         return functools.partial(
             _tc.create_selective_checkpoint_contexts, functools.partial(_sac_policy, policy)
         )
-    from ._errors import PolicyError
-
     raise PolicyError(f"cannot use policy {policy!r} under torch.compile: expected a callable or a list of ops")
 
 
-def compiled_call(fun, args, kwargs, *, policy: Any = None, preserve_rng_state: bool = True):
-    """Run ``fun(*args, **kwargs)`` as a torch checkpoint region (Dynamo is tracing)."""
-
-    if torch._C._are_functorch_transforms_active():
+def run_compiled(call: RegionCall):
+    """Run the region as a torch checkpoint region (Dynamo is tracing)."""
+    fun, args, kwargs = call.fun, call.args, call.kwargs
+    policy, preserve_rng_state = call.opts.policy, call.opts.preserve_rng_state
+    if transforms_active():
         # torch.compile(grad(f)): AOTAutograd cannot lower torch's checkpoint
         # region inside a traced functorch transform (and a failed attempt leaves
         # saved-tensor hooks disabled for the process).  Trace the function

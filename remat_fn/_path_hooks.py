@@ -1,4 +1,4 @@
-"""The eager path: plain autograd with saved-tensor hooks.
+"""The saved-tensor-hooks path: a region under plain (eager) autograd.
 
 During the forward, every tensor autograd wants to save is replaced by a small
 handle (:class:`_Handle`); nothing but the handle is kept.  The first time
@@ -24,14 +24,22 @@ import torch
 
 from ._autocast import AutocastState
 from ._budget import Measuring
-from ._captures import mutated_input, scan, storage_ptr
-from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
+from ._closures import reachable_tensors
+from ._debug import OpTrace, format_traces
+from ._describe import describe_meta
+from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_input
+from ._functorch import forward_mode_active, storage_ptr
 from ._profile import active, storage_bytes, timer
+from ._record import Record, paused, saving
+from ._region import RegionCall
+from ._residuals import residual_sink
 from ._rng_state import RNGSnapshot
-from ._saving import Record, forward_mode_active, paused, saving
 
-__all__ = ["eager_call", "NeedsFunctionPath"]
+__all__ = ["run_with_hooks", "NeedsTorchFuncPath", "hooks_enabled"]
 
+# False while saved-tensor hooks are switched off for the process (a failed
+# torch.compile can leave them so); the torch.func path needs none.
+hooks_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
@@ -42,8 +50,9 @@ class _StopRecompute(Exception):
     pass
 
 
-class NeedsFunctionPath(Exception):
-    """Internal: the region calls a torch.func transform; run it without hooks."""
+class NeedsTorchFuncPath(Exception):
+    """Internal: the region calls a torch.func transform, which refuses saved-tensor
+    hooks; the caller runs it on the torch.func path (which needs none)."""
 
 
 _HOOKS_REFUSED = "don't yet support saved tensor hooks"
@@ -69,7 +78,7 @@ class _Direct:
         t = self.t
         if t._version != self.version:
             raise MutatedSavedTensorError(
-                f"The tensor {_desc(t.shape, t.dtype, t.device)} that remat({name}) saved for "
+                f"The tensor {describe_meta(t.shape, t.dtype, t.device)} that remat({name}) saved for "
                 f"backward (an argument, a parameter or a value the policy saves) was modified in "
                 f"place after the forward "
                 f"(version {self.version} -> {t._version}). Fix: clone it before modifying it "
@@ -88,7 +97,7 @@ class _Frame:
 
     __slots__ = (
         "fun", "args", "kwargs", "name", "rng", "meta", "handles", "recomputed",
-        "debug", "fwd_trace", "scan", "stash", "rec", "autocast", "in_forward", "strict",
+        "debug", "fwd_trace", "reach", "stash", "rec", "autocast", "in_forward", "strict",
         "input_ids", "outer", "nhandles", "saved_ptrs", "inner_backward", "prof", "prof_saved",
     )
 
@@ -104,13 +113,13 @@ class _Frame:
         self.debug = debug
         self.strict = debug  # run recomputations whole and check them completely
         self.fwd_trace: list[str] | None = None
-        self.scan = None
+        self.reach = None  # the tensors the function reaches (remat_fn._closures)
         # When saved-tensor hooks are already active (an enclosing remat region,
         # save_on_cpu, remat_fn.distributed), the region's tensor inputs are
         # stored through them instead of being held here: an enclosing region
         # can then drop and recompute them, save_on_cpu moves them, and so on.
         self.stash = None
-        self.rec = None  # remat_fn._saving.Record when a policy is in force
+        self.rec = None  # remat_fn._record.Record when a policy is in force
         self.autocast = AutocastState()  # re-entered by the recomputation
         # True while the forward runs: a backward *inside* the region (the
         # function calls torch.autograd.grad) unpacks handles of a forward
@@ -192,8 +201,8 @@ class _Frame:
     def recompute(self, target: int | None = None) -> None:
         """Rebuild every still-needed saved tensor (or only ``target``, for a
         backward that runs inside the forward) by running the region again."""
-        if self.scan is not None:
-            self.scan.check_versions(self.name)
+        if self.reach is not None:
+            self.reach.check_versions(self.name)
         handles = self.handles
         recomputed = self.recomputed
         if target is not None:
@@ -228,8 +237,8 @@ class _Frame:
             shape, dtype, device, version = meta[i]
             if t.shape != shape or t.dtype != dtype or t.device != device:
                 self._mismatch(
-                    f"saved tensor #{i} is {_desc(t.shape, t.dtype, t.device)} on recompute but "
-                    f"was {_desc(shape, dtype, device)} in the forward"
+                    f"saved tensor #{i} is {describe_meta(t.shape, t.dtype, t.device)} on recompute "
+                    f"but was {describe_meta(shape, dtype, device)} in the forward"
                 )
             if t._version != version:
                 if arg_ids is None:
@@ -245,7 +254,7 @@ class _Frame:
                     mutated = True
                 if mutated:
                     raise MutatedSavedTensorError(
-                        f"A tensor {_desc(shape, dtype, device)} needed to recompute "
+                        f"A tensor {describe_meta(shape, dtype, device)} needed to recompute "
                         f"remat({self.name}) was modified in place after the forward (its version "
                         f"went from {version} to {t._version}). Fix: clone it before modifying it "
                         "(x = x.clone()), or apply the in-place update after the backward pass."
@@ -269,7 +278,7 @@ class _Frame:
         # Inside the forward the policy's record is incomplete: recompute
         # everything, and keep the forward's own policy mode out of it.
         rec = None if self.in_forward else self.rec
-        relocated = self.scan.relocated() if self.scan is not None else _NULL
+        relocated = self.reach.relocated() if self.reach is not None else _NULL
         _push_hooks(rpack, runpack)
         try:
             with torch.enable_grad(), self.autocast, relocated, saving(rec, recompute=True), \
@@ -278,8 +287,6 @@ class _Frame:
                     rng.__enter__()
                 try:
                     if self.debug:
-                        from ._debug import OpTrace
-
                         with OpTrace() as trace:
                             self.fun(*args, **kwargs)
                     else:
@@ -309,46 +316,39 @@ class _Frame:
             "preserve_rng_state=True (or use remat_fn.random keys) for random ops."
         )
         if self.debug and self.fwd_trace is not None:
-            from ._debug import format_traces
-
             msg += "\n" + format_traces(self.fwd_trace, trace.ops if trace is not None else None)
         elif not self.debug:
             msg += " Pass debug=True to see the op traces of both runs."
         raise RecomputeMismatchError(msg)
 
 
-def _desc(shape, dtype, device) -> str:
-    from ._format import short_dtype
+def run_with_hooks(call: RegionCall) -> Any:
+    """Run the region so that its saved tensors are recomputed in backward.
 
-    return f"{short_dtype(dtype)}[{','.join(str(s) for s in shape)}] on {device}"
-
-
-def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bool,
-               devices: list[torch.device], policy=None, strict: bool = False) -> Any:
-    """Run ``fun`` so that its saved tensors are recomputed in backward.
-
-    ``strict``: recomputations run whole (no early stop) and must save exactly
-    the forward's tensors (``debug`` implies it and also compares op traces)."""
+    With ``call.strict`` recomputations run whole (no early stop) and must save
+    exactly the forward's tensors (``call.debug`` also compares op traces)."""
+    fun, args, kwargs, name, debug = call.fun, call.args, call.kwargs, call.name, call.debug
+    preserve_rng_state = call.opts.preserve_rng_state
     frame = _Frame(fun, args, kwargs, name, debug)
-    frame.strict = strict or debug
+    frame.strict = call.strict or debug
     prof = active()
     if prof is not None:
         frame.prof, frame.prof_saved, start = prof, [], time.perf_counter()
     outer = _top_hooks(False)
     frame.outer = outer
     leaves = optree.tree_leaves((args, kwargs), none_is_leaf=True)
-    in_versions = [(x, x._version) for x in leaves if isinstance(x, torch.Tensor)]
-    frame.input_ids = {id(x) for x, _ in in_versions}
-    snap = RNGSnapshot(devices) if preserve_rng_state else None
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    in_versions = [(x, x._version) for x in tensors]
+    frame.input_ids = {id(x) for x in tensors}
+    snap = RNGSnapshot(call.rng_devices(tensors)) if preserve_rng_state else None
     frame.rng = snap  # provisional: a backward inside the forward may recompute
+    policy = call.policy("eager", tensors)
     if policy is not None and not forward_mode_active():
         frame.rec = Record(policy)
     _push_hooks(frame.pack, frame.unpack)
     try:
         with saving(frame.rec, recompute=False):
             if debug:
-                from ._debug import OpTrace
-
                 with OpTrace() as tr:
                     out = fun(*args, **kwargs)
                 frame.fwd_trace = tr.ops
@@ -361,7 +361,7 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
         # hooks: the caller reruns the region on the hook-free path.
         if snap is not None:
             snap.restore_now()
-        raise NeedsFunctionPath() from None
+        raise NeedsTorchFuncPath() from None
     finally:
         _pop_hooks()
         frame.in_forward = False
@@ -375,20 +375,18 @@ def eager_call(fun, args, kwargs, name: str, preserve_rng_state: bool, debug: bo
         # recomputation sees the same ones even if (as with
         # torch.func.functional_call) they are swapped back before backward.
         others = [x for x in leaves if not isinstance(x, torch.Tensor)]
-        frame.scan = scan((fun, others) if others else fun)
+        frame.reach = reachable_tensors((fun, others) if others else fun)
         if outer is not None:
             frame.stash_inputs(outer)
-            frame.scan.record_versions()
+            frame.reach.record_versions()
         else:
-            frame.scan.record_versions([x for x, _ in in_versions])
+            frame.reach.record_versions(tensors)
         if frame.rec is not None:
             frame.rec.producer = {}
             # keep no more than plain autograd would (see Record.prune)
             frame.rec.prune(frame.saved_ptrs)
             if isinstance(frame.rec.policy, Measuring):  # memory_budget's first call
                 frame.rec.policy.finish()
-            from ._residuals import residual_sink
-
             sink = residual_sink()
             if sink is not None:
                 for key, _, t, kind, nm in frame.rec.kept():

@@ -1,0 +1,113 @@
+"""One home for what the library needs to know about ``torch.func`` (functorch).
+
+``torch.func`` transforms wrap tensors level by level (``GradTrackingTensor``,
+``BatchedTensor``) and keep a stack of active interpreters.  The library looks
+below the wrappers (storages, version counters, values to keep), asks which
+transforms are active (forward mode changes what can be replayed), and which
+grad levels a tensor belongs to; all of that goes through the helpers here
+rather than through ``torch._C._functorch`` at each use.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd import forward_ad
+
+__all__ = [
+    "C", "transforms_active", "transform_stack", "transform_kinds", "is_wrapped", "unwrap_one",
+    "unwrap_all",
+    "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead",
+    "forward_mode_active", "nested_forward_mode",
+]
+
+C = torch._C._functorch  # the C++ functorch bindings
+_JVP = C.TransformType.Jvp
+_GRAD = C.TransformType.Grad
+
+transforms_active = torch._C._are_functorch_transforms_active
+is_wrapped = C.is_functorch_wrapped_tensor
+unwrap_one = C.get_unwrapped  # one level
+unwrap_if_dead = C.unwrap_if_dead
+
+
+def transform_stack() -> list:
+    """The active functorch interpreters, outermost first (empty outside transforms)."""
+    return list(C.get_interpreter_stack() or ())
+
+
+def transform_kinds() -> tuple[str, ...]:
+    """The kinds of the active transforms (``"TransformType.Grad"``, ...), outermost first."""
+    return tuple(str(i.key()) for i in transform_stack())
+
+
+def unwrap_all(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor below every functorch wrapper around ``t``."""
+    while C.is_functorch_wrapped_tensor(t):
+        t = C.get_unwrapped(t)
+    return t
+
+
+def storage_ptr(t: torch.Tensor) -> int | None:
+    """The address of the storage behind ``t`` (below functorch wrappers); ``None``
+    for a tensor without one (sparse, a wrapper whose level is live)."""
+    try:
+        return unwrap_all(t).untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def needs_grad(t: torch.Tensor) -> bool:
+    """True if some autograd level (functorch or eager) may want ``t``'s gradient."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return False
+    if t.requires_grad:
+        return True
+    while C.is_functorch_wrapped_tensor(t):
+        if C.is_gradtrackingtensor(t):
+            return True
+        t = C.get_unwrapped(t)
+        if t.requires_grad:
+            return True
+    return False
+
+
+def grad_wrappers(t: torch.Tensor) -> tuple[list[tuple[int, bool]], torch.Tensor]:
+    """``(level, dead)`` of every grad-tracking wrapper around ``t`` (outermost
+    first), and the plain tensor below them."""
+    out = []
+    while C.is_functorch_wrapped_tensor(t):
+        if C.is_gradtrackingtensor(t):
+            out.append((C.maybe_get_level(t), bool(C.is_dead_tensor_wrapper(t))))
+        t = C.get_unwrapped(t)
+    return out, t
+
+
+def live_levels() -> dict[int, object]:
+    """``level -> transform kind`` of the active interpreters."""
+    return {i.level(): i.key() for i in transform_stack()}
+
+
+def is_grad_kind(kind) -> bool:
+    return kind == _GRAD
+
+
+def forward_mode_active() -> bool:
+    """True when forward-mode AD (a functorch jvp level or an eager dual level) is on.
+
+    Forward-mode tangent computations run as extra aten ops below the AD layer,
+    interleaved with the region's own ops, so op-position caching cannot be
+    replayed reliably there; such recomputations simply recompute everything.
+    """
+    if getattr(forward_ad, "_current_level", -1) >= 0:
+        return True
+    return any(i.key() == _JVP for i in transform_stack())
+
+
+def nested_forward_mode() -> bool:
+    """True under two or more nested forward-mode levels (``jvp(jvp)``, ``jacfwd(jacfwd)``).
+
+    torch gives silently zero second-order tangents for any custom
+    ``autograd.Function`` there, so a region runs as plain code (exact, with no
+    memory saving); forward mode keeps no residuals, so little is lost.
+    """
+    return sum(1 for i in transform_stack() if i.key() == _JVP) >= 2

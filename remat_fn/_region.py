@@ -1,0 +1,276 @@
+"""One call of a region, normalised once: what every autograd path receives.
+
+The public layer (:mod:`remat_fn._transform`) validates ``remat``'s keyword
+options once, when the wrapper is built (:class:`Options`), and turns each call
+into a :class:`RegionCall`: the function, its name, the options, the
+arguments split into static and dynamic parts, the dynamic pytree flattened
+with its tensor leaves picked out, and the ``run``/``rebuild`` pair that calls
+the function on replacement tensors.  The autograd paths
+(:mod:`remat_fn._path_hooks`, :mod:`remat_fn._path_torch_func`,
+:mod:`remat_fn._path_compile`) and :mod:`remat_fn.distributed` read it; none of
+them splits or flattens arguments again.
+
+Flattening is lazy: the saved-tensor-hooks path calls the function on the
+original arguments and flattens only when it needs the tensors (accelerator
+RNG devices, a ``memory_budget`` plan), so a plain eager call pays for none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from ._budget import BudgetPlanner
+from ._debug import checks
+from ._errors import RematError
+from ._pytree import flatten_output
+from ._rng_state import devices_of
+from .policies import memory_budget, normalize_policy
+
+__all__ = ["Options", "RegionCall", "entered", "region_depth", "name_of"]
+
+_accelerator: list[bool] = []
+
+
+def _has_accelerator() -> bool:
+    if not _accelerator:
+        try:
+            _accelerator.append(bool(torch.accelerator.is_available()))
+        except Exception:  # pragma: no cover - torch without torch.accelerator
+            _accelerator.append(torch.cuda.is_available())
+    return _accelerator[0]
+
+
+def name_of(fun: Any) -> str:
+    return getattr(fun, "__qualname__", None) or getattr(fun, "__name__", None) or type(fun).__name__
+
+
+def _argnums(static_argnums: int | Sequence[int]) -> tuple[int, ...]:
+    if isinstance(static_argnums, int):
+        static_argnums = (static_argnums,)
+    try:
+        nums = tuple(static_argnums)
+    except TypeError:
+        raise TypeError(
+            f"static_argnums must be an int or a sequence of ints, got {static_argnums!r}"
+        ) from None
+    for n in nums:
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise TypeError(f"static_argnums must contain ints, got {n!r}")
+    return nums
+
+
+def _argnames(static_argnames: str | Sequence[str]) -> frozenset[str]:
+    if isinstance(static_argnames, str):
+        static_argnames = (static_argnames,)
+    names = tuple(static_argnames)
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"static_argnames must contain strings, got {n!r}")
+    return frozenset(names)
+
+
+# (pack, unpack) saved-tensor hooks to push around a region's eager call, or None
+OuterHooks = Callable[["RegionCall"], "tuple[Callable, Callable] | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """``remat``'s keyword options, validated (see :meth:`create`)."""
+
+    policy: Any = None  # normalised: None (nothing_saveable), a callable, or memory_budget
+    static_argnums: tuple[int, ...] = ()
+    static_argnames: frozenset[str] = frozenset()
+    prevent_cse: bool = True
+    preserve_rng_state: bool = True
+    debug: bool = False
+    planner: BudgetPlanner | None = None  # set for memory_budget policies
+    outer_hooks: OuterHooks | None = None  # remat_fn.distributed's partitioning hooks
+
+    @classmethod
+    def create(cls, *, policy: Any = None, static_argnums: int | Sequence[int] = (),
+               static_argnames: str | Sequence[str] = (), prevent_cse: bool = True,
+               preserve_rng_state: bool = True, debug: bool = False,
+               outer_hooks: OuterHooks | None = None) -> Options:
+        if not isinstance(preserve_rng_state, bool):
+            raise TypeError(f"preserve_rng_state must be a bool, got {preserve_rng_state!r}")
+        policy = normalize_policy(policy)
+        return cls(policy=policy, static_argnums=_argnums(static_argnums),
+                   static_argnames=_argnames(static_argnames), prevent_cse=prevent_cse,
+                   preserve_rng_state=preserve_rng_state, debug=debug,
+                   planner=BudgetPlanner(policy) if isinstance(policy, memory_budget) else None,
+                   outer_hooks=outer_hooks)
+
+    def public(self) -> dict[str, Any]:
+        """The options as ``remat(...)`` takes them (``wrapper.remat_options``)."""
+        return dict(policy=self.policy, static_argnums=self.static_argnums,
+                    static_argnames=tuple(self.static_argnames), prevent_cse=self.prevent_cse,
+                    preserve_rng_state=self.preserve_rng_state, debug=self.debug)
+
+
+class RegionCall:
+    """One call of a region: the function, its options and its arguments, normalised.
+
+    ``debug``/``strict`` are the recompute checks in force for this call (the
+    region's ``debug=`` and the global switches, see :mod:`remat_fn._debug`).
+    The dynamic arguments, flattened on first use: ``leaves``/``treedef`` of
+    ``(dynamic args, dynamic kwargs)``, ``inputs`` their tensor leaves.
+    """
+
+    __slots__ = ("fun", "name", "opts", "args", "kwargs", "_checks",
+                 "_static_pos", "_static_args", "_static_kwargs", "_leaves", "_treedef", "_tpos")
+
+    def __init__(self, fun: Any, name: str, opts: Options, args: tuple, kwargs: dict):
+        self.fun = fun
+        self.name = name
+        self.opts = opts
+        self.args = args
+        self.kwargs = kwargs
+        self._checks: tuple[bool, bool] | None = None
+        self._leaves: list | None = None
+
+    @property
+    def debug(self) -> bool:
+        """Record op traces for this call (``debug=`` or the global switch)."""
+        if self._checks is None:
+            self._checks = checks(self.opts.debug)
+        return self._checks[0]
+
+    @property
+    def strict(self) -> bool:
+        """Run recomputations whole and check them completely (no early stop)."""
+        if self._checks is None:
+            self._checks = checks(self.opts.debug)
+        return self._checks[1]
+
+    # -- arguments -----------------------------------------------------------
+    def check_argnums(self) -> None:
+        nargs = len(self.args)
+        for n in self.opts.static_argnums:
+            if not -nargs <= n < nargs:
+                raise ValueError(
+                    f"static_argnums contains {n}, but remat({self.name}) was called with {nargs} "
+                    "positional arguments. Fix static_argnums or pass the argument positionally."
+                )
+
+    def _flatten(self) -> None:
+        self.check_argnums()
+        args, kwargs, opts = self.args, self.kwargs, self.opts
+        nargs = len(args)
+        pos = {n % nargs for n in opts.static_argnums} if nargs else set()
+        names = opts.static_argnames
+        self._static_pos = pos
+        self._static_args = {i: a for i, a in enumerate(args) if i in pos}
+        self._static_kwargs = {k: v for k, v in kwargs.items() if k in names}
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in pos) if pos else args
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in names} if names else kwargs
+        leaves, self._treedef = optree.tree_flatten((dyn_args, dyn_kwargs), none_is_leaf=True)
+        self._tpos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self._leaves = leaves
+
+    @property
+    def inputs(self) -> list[torch.Tensor]:
+        """The tensor leaves of the dynamic arguments, in pytree order."""
+        if self._leaves is None:
+            self._flatten()
+        leaves = self._leaves
+        return [leaves[i] for i in self._tpos]  # type: ignore[index]
+
+    def all_tensors(self) -> list[torch.Tensor]:
+        """Every tensor among the arguments, static ones included."""
+        leaves = optree.tree_leaves((self.args, self.kwargs), none_is_leaf=True)
+        return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+    def check_static(self) -> None:
+        """Static arguments are constants: a tensor there that requires grad is refused."""
+        if self._leaves is None:
+            self._flatten()
+        for a in (*self._static_args.values(), *self._static_kwargs.values()):
+            for x in optree.tree_leaves(a, none_is_leaf=True):
+                if isinstance(x, torch.Tensor) and x.requires_grad:
+                    raise RematError(
+                        f"remat({self.name}) got a tensor {tuple(x.shape)} that requires grad in a "
+                        "static argument; static arguments are constants and get no gradient. "
+                        "Fix: remove it from static_argnums/static_argnames."
+                    )
+
+    def reach_roots(self) -> Any:
+        """What the closed-over-tensor walk starts from: the function, plus any
+        non-tensor leaves and static arguments (objects that may hold tensors)."""
+        if self._leaves is None:
+            self._flatten()
+        others = [x for x in self._leaves if not isinstance(x, torch.Tensor)]  # type: ignore[union-attr]
+        if others or self._static_args or self._static_kwargs:
+            return (self.fun, others, self._static_args, self._static_kwargs)
+        return self.fun
+
+    def rng_devices(self, tensors: list[torch.Tensor] | None = None) -> list[torch.device]:
+        """The accelerator devices whose RNG state the region snapshots (none
+        without ``preserve_rng_state`` or without an accelerator)."""
+        if not (self.opts.preserve_rng_state and _has_accelerator()):
+            return []
+        return devices_of(self.all_tensors() if tensors is None else tensors)
+
+    def policy(self, path: str, tensors: list[torch.Tensor] | None = None):
+        """The policy in force for this call on ``path`` (a ``memory_budget`` gives
+        its cached plan for these inputs, or the measuring policy that makes it)."""
+        planner = self.opts.planner
+        if planner is None:
+            return self.opts.policy
+        return planner.policy_for(self.fun, self.all_tensors() if tensors is None else tensors, path)
+
+    # -- running -------------------------------------------------------------
+    def run(self, tensors) -> tuple[tuple[torch.Tensor, ...], Callable[[Any], Any]]:
+        """Call the function with ``tensors`` in place of :attr:`inputs`; returns
+        the output's tensor leaves and a ``rebuild(tensors) -> output``."""
+        if self._leaves is None:
+            self._flatten()
+        lv = list(self._leaves)  # type: ignore[arg-type]
+        for i, t in zip(self._tpos, tensors):
+            lv[i] = t
+        a, kw = optree.tree_unflatten(self._treedef, lv)
+        pos = self._static_pos
+        if pos:
+            it = iter(a)
+            a = tuple(self._static_args[i] if i in pos else next(it) for i in range(len(self.args)))
+        if self._static_kwargs:
+            kw = {**kw, **self._static_kwargs}
+        out = self.fun(*a, **kw)
+        oleaves, odef = flatten_output(out, self.name)
+        opos = [i for i, x in enumerate(oleaves) if isinstance(x, torch.Tensor)]
+        outs = tuple(oleaves[i] for i in opos)
+        template = [None if isinstance(x, torch.Tensor) else x for x in oleaves]  # no tensor refs
+
+        def rebuild(out_tensors):
+            ol = list(template)
+            for i, t in zip(opos, out_tensors):
+                ol[i] = t
+            return optree.tree_unflatten(odef, ol)
+
+        return outs, rebuild
+
+
+_nesting = threading.local()
+
+
+def region_depth() -> int:
+    """How many remat regions this thread is inside of (see :func:`entered`)."""
+    return getattr(_nesting, "depth", 0)
+
+
+@contextlib.contextmanager
+def entered():
+    """Mark a remat region's call: the op trace of an enclosing region treats the
+    whole nested call as opaque (it may run plainly in one run and as a custom
+    ``autograd.Function`` in the other)."""
+    _nesting.depth = region_depth() + 1
+    try:
+        yield
+    finally:
+        _nesting.depth -= 1
