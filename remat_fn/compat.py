@@ -145,7 +145,7 @@ def checkpoint(
         raise TypeError(f"checkpoint expects a callable, got {type(function).__name__}")
     if torch.compiler.is_compiling():
         if transforms_active():
-            return function(*args, **kwargs)  # see remat_fn/_compile.py
+            return function(*args, **kwargs)  # see remat_fn/_path_compile.py
         return _tc.checkpoint(
             function, *args, use_reentrant=False,
             context_fn=_tc.noop_context_fn if context_fn is None else context_fn,

@@ -77,7 +77,8 @@ def test_compile_mm_counts_follow_policy_and_backends_match():
         # policy: save mm outputs (the policy that remat(policy=...) hands to torch's SAC)
         c = {}
         torch._dynamo.reset()
-        g = torch.compile(lambda x: remat_fn.remat(block, policy=save_mm)(x).sum(),
+        rb = remat_fn.remat(block, policy=save_mm)
+        g = torch.compile(lambda x: rb(x).sum(),
                           backend=counting_backend(c), fullgraph=True)
         out["save_mm"] = dict(ok=close(torch.autograd.grad(g(x), (x, w1, w2))), **c)
         for be in ["aot_eager", "inductor"]:

@@ -1,6 +1,6 @@
 """Demo: train a small GPT with ``remat`` + ``torch.func``, then compare memory and time.
 
-``python -m remat_fn.demo`` trains a GPT-style model (pre-LN causal
+``python examples/demo.py`` trains a GPT-style model (pre-LN causal
 transformer, written out with plain matmuls) on a synthetic task generated in
 code: reverse a random string of digits (``3 1 4 1 | 1 4 1 3``).  The
 training loop is functional: ``torch.func.functional_call`` +
@@ -23,6 +23,7 @@ is printed as lines, without matplotlib the plot is skipped.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.func import functional_call, grad_and_value
 
@@ -100,12 +102,6 @@ def make_batch(key: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, torch.Tens
 # ---------------------------------------------------------------------------
 
 
-def _name(x: torch.Tensor, name: str) -> torch.Tensor:
-    """``checkpoint_name`` if this version of remat_fn has it, else the identity."""
-    fn = getattr(remat_fn, "checkpoint_name", None) or getattr(remat_fn.policies, "checkpoint_name", None)
-    return fn(x, name) if fn is not None else x
-
-
 class Block(nn.Module):
     """Pre-LN transformer block: causal self-attention and a GELU MLP."""
 
@@ -129,13 +125,13 @@ class Block(nn.Module):
         att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)
         att = self.drop(att, k_att)
         y = (att @ v).transpose(1, 2).reshape(B, T, C)
-        x = x + self.drop(_name(self.proj(y), "attn_out"), k_res1)
-        h = _name(F.gelu(self.fc(self.ln2(x))), "mlp_hidden")
+        x = x + self.drop(remat_fn.checkpoint_name(self.proj(y), "attn_out"), k_res1)
+        h = remat_fn.checkpoint_name(F.gelu(self.fc(self.ln2(x))), "mlp_hidden")
         return x + self.drop(self.out(h), k_res2)
 
 
 class GPT(nn.Module):
-    """A small GPT.  ``set_variant`` chooses how each block is checkpointed."""
+    """A small GPT.  ``wrap_blocks`` chooses how each block is called (checkpointed)."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -147,34 +143,10 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab)
         self._calls: list[Callable] = list(self.blocks)
 
-    def set_variant(self, kind: str, policy: Any = None) -> GPT:
-        """``kind``: ``"none"`` (plain), ``"torch"`` (``torch.utils.checkpoint``) or
-        ``"remat"`` (``remat_fn.remat(block, policy=policy)``)."""
-        if kind == "none":
-            self._calls = list(self.blocks)
-        elif kind == "torch":
-            from torch.utils.checkpoint import checkpoint as torch_checkpoint
-
-            def wrap(b):
-                return lambda h, k: torch_checkpoint(b, h, k, use_reentrant=False)
-
-            self._calls = [wrap(b) for b in self.blocks]
-        elif kind == "torch_sac":
-            import functools
-
-            from torch.utils.checkpoint import checkpoint as torch_checkpoint
-            from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-            ctx = functools.partial(create_selective_checkpoint_contexts, policy)
-
-            def wrap(b):
-                return lambda h, k: torch_checkpoint(b, h, k, use_reentrant=False, context_fn=ctx)
-
-            self._calls = [wrap(b) for b in self.blocks]
-        elif kind == "remat":
-            self._calls = [remat_fn.remat(b, policy=policy) for b in self.blocks]
-        else:
-            raise ValueError(f"unknown variant kind {kind!r}")
+    def wrap_blocks(self, wrap: Callable[[nn.Module], Callable]) -> GPT:
+        """Call each block through ``wrap(block)`` (e.g. ``remat_fn.remat``); the
+        identity gives the plain model."""
+        self._calls = [wrap(b) for b in self.blocks]
         return self
 
     def forward(self, idx: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -247,7 +219,7 @@ def train(model: GPT, cfg: Config, steps: int, seed: int, log: Callable[[str], N
     torch.manual_seed(seed)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     state: dict = {}
-    model.set_variant("remat")
+    model.wrap_blocks(remat_fn.remat)
     step_fn = grad_and_value(make_loss_fn(model))
     key = rnd.key(seed)
     losses = []
@@ -281,41 +253,29 @@ def train(model: GPT, cfg: Config, steps: int, seed: int, log: Callable[[str], N
 # Variants and measurements
 # ---------------------------------------------------------------------------
 
-# (label, policy name in remat_fn.policies, factory arguments or None for a plain policy)
-POLICY_ROWS: list[tuple[str, str, tuple | None]] = [
-    ("remat everything_saveable", "everything_saveable", None),
-    ("remat dots_saveable", "dots_saveable", None),
-    ("remat dots_with_no_batch_dims_saveable", "dots_with_no_batch_dims_saveable", None),
-    ("remat save_only_these_names('attn_out')", "save_only_these_names", ("attn_out",)),
-    ("remat save_anything_except_these_names('mlp_hidden')", "save_anything_except_these_names", ("mlp_hidden",)),
-    ("remat memory_budget(0.5)", "memory_budget", (0.5,)),
-    ("remat memory_budget(0.2)", "memory_budget", (0.2,)),
-]
-_NEEDS_NAMES = ("save_only_these_names", "save_anything_except_these_names", "save_any_names_but_these")
+def variants() -> list[tuple[str, Callable[[nn.Module], Callable]]]:
+    """``(label, wrap)``: how each block is called, for the comparison table."""
+    P = remat_fn.policies
 
+    def torch_checkpoint(b):
+        return functools.partial(torch.utils.checkpoint.checkpoint, b, use_reentrant=False)
 
-def _has_checkpoint_name() -> bool:
-    return getattr(remat_fn, "checkpoint_name", None) is not None or \
-        getattr(remat_fn.policies, "checkpoint_name", None) is not None
+    def with_policy(policy):
+        return lambda b: remat_fn.remat(b, policy=policy)
 
-
-def variants(rows=POLICY_ROWS) -> list[tuple[str, str, Any]]:
-    """``(label, kind, policy)`` for the baselines and every policy present at run time."""
-    out: list[tuple[str, str, Any]] = [
-        ("no remat", "none", None),
-        ("torch.utils.checkpoint", "torch", None),
-        ("remat nothing_saveable (default)", "remat", None),
+    return [
+        ("no remat", lambda b: b),
+        ("torch.utils.checkpoint", torch_checkpoint),
+        ("remat nothing_saveable (default)", remat_fn.remat),
+        ("remat everything_saveable", with_policy(P.everything_saveable)),
+        ("remat dots_saveable", with_policy(P.dots_saveable)),
+        ("remat dots_with_no_batch_dims_saveable", with_policy(P.dots_with_no_batch_dims_saveable)),
+        ("remat save_only_these_names('attn_out')", with_policy(P.save_only_these_names("attn_out"))),
+        ("remat save_anything_except_these_names('mlp_hidden')",
+         with_policy(P.save_anything_except_these_names("mlp_hidden"))),
+        ("remat memory_budget(0.5)", with_policy(P.memory_budget(0.5))),
+        ("remat memory_budget(0.2)", with_policy(P.memory_budget(0.2))),
     ]
-    for label, name, args in rows:
-        obj = getattr(remat_fn.policies, name, None)
-        if obj is None or (name in _NEEDS_NAMES and not _has_checkpoint_name()):
-            continue
-        try:
-            pol = obj(*args) if args is not None else obj
-        except Exception:  # a factory with a different signature: leave the row out
-            continue
-        out.append((label, "remat", pol))
-    return out
 
 
 def _err(e: BaseException) -> str:
@@ -327,7 +287,9 @@ def _err(e: BaseException) -> str:
 
 
 def measure(model: GPT, params, cfg: Config, seed: int, rows, repeats: int, log=print) -> list[dict]:
-    """Memory and step time of each variant, torch.func and eager, timings interleaved."""
+    """Memory and step time of each ``(label, wrap)`` row, under torch.func and in eager
+    autograd.  Steps of all rows alternate within each round; each time is reported
+    as median and min-max over the rounds."""
     key = rnd.key(seed + 1)
     inputs, targets, mask = make_batch(rnd.fold_in(key, 0), cfg)
     k_drop = rnd.fold_in(key, 1)
@@ -336,14 +298,10 @@ def measure(model: GPT, params, cfg: Config, seed: int, rows, repeats: int, log=
             p.copy_(params[k])
 
     results = []
-    for label, kind, pol in rows:
-        r = {"variant": label, "kind": kind}
-        try:
-            model.set_variant(kind, pol)
-        except Exception as e:
-            r["func_error"] = r["eager_error"] = _err(e)
-            results.append(r)
-            continue
+    for label, wrap in rows:
+        r: dict[str, Any] = {"variant": label}
+        model.wrap_blocks(wrap)
+        calls = list(model._calls)
         loss_fn = make_loss_fn(model)
 
         # torch.func: grad_and_value of a functional_call
@@ -359,14 +317,15 @@ def measure(model: GPT, params, cfg: Config, seed: int, rows, repeats: int, log=
                     params, inputs, targets, mask, k_drop)
                 del g, loss
             r["func_peak"], r["func_after_fwd"] = m.peak / MiB, box["after"] / MiB
-            fn, calls = grad_and_value(loss_fn), list(model._calls)
+            fn = grad_and_value(loss_fn)
             r["_func"] = (lambda fn=fn, calls=calls: (setattr(model, "_calls", calls),
                                                        fn(params, inputs, targets, mask, k_drop)))
         except Exception as e:
             r["func_error"] = "fails under torch.func " + _err(e)
 
         # eager: loss.backward() on the module's own parameters
-        def eager_step():
+        def eager_step(calls=calls):
+            model._calls = calls
             model.zero_grad(set_to_none=True)
             masked_loss(model(inputs, k_drop), targets, mask).backward()
 
@@ -378,13 +337,12 @@ def measure(model: GPT, params, cfg: Config, seed: int, rows, repeats: int, log=
                 loss.backward()
                 del loss
             r["eager_peak"], r["eager_after_fwd"] = m.peak / MiB, after / MiB
-            calls = list(model._calls)
-            r["_eager"] = (lambda calls=calls: (setattr(model, "_calls", calls), eager_step()))
+            r["_eager"] = eager_step
         except Exception as e:
             r["eager_error"] = _err(e)
         results.append(r)
 
-    # step times: every variant in turn, `repeats` rounds, median per variant
+    # step times: every variant in turn within each round
     timed = [(r, k) for r in results for k in ("_func", "_eager") if k in r]
     samples: dict[tuple[int, str], list[float]] = {(id(r), k): [] for r, k in timed}
     bar = _progress(repeats * len(timed), "timing steps")
@@ -400,9 +358,12 @@ def measure(model: GPT, params, cfg: Config, seed: int, rows, repeats: int, log=
     if bar is not None:
         bar.close()
     for r, k in timed:
-        r[k.strip("_") + "_ms"] = statistics.median(samples[(id(r), k)])
+        v = samples[(id(r), k)]
+        name = k.strip("_")
+        r[name + "_ms"] = statistics.median(v)
+        r[name + "_ms_min"], r[name + "_ms_max"] = min(v), max(v)
         del r[k]
-    model.set_variant("remat")
+    model.wrap_blocks(remat_fn.remat)
     return results
 
 
@@ -410,21 +371,27 @@ def _cell(r, key, fmt="{:.2f}"):
     return fmt.format(r[key]) if key in r else "-"
 
 
+def _time(r, mode):
+    if f"{mode}_ms" not in r:
+        return "-"
+    return f"{r[mode + '_ms']:.1f} ({r[mode + '_ms_min']:.1f}-{r[mode + '_ms_max']:.1f})"
+
+
 def format_table(results: list[dict]) -> str:
     lines = [
-        "| variant | torch.func peak (MiB) | torch.func after fwd (MiB) | torch.func step (ms) "
-        "| eager peak (MiB) | eager after fwd (MiB) | eager step (ms) |",
+        "| variant | torch.func peak (MiB) | torch.func after fwd (MiB) | torch.func step (ms, median (min-max)) "
+        "| eager peak (MiB) | eager after fwd (MiB) | eager step (ms, median (min-max)) |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         if "func_error" in r:
             func = f"{r['func_error']} | | "
         else:
-            func = f"{_cell(r, 'func_peak')} | {_cell(r, 'func_after_fwd')} | {_cell(r, 'func_ms', '{:.1f}')}"
+            func = f"{_cell(r, 'func_peak')} | {_cell(r, 'func_after_fwd')} | {_time(r, 'func')}"
         if "eager_error" in r:
             eager = f"{r['eager_error']} | | "
         else:
-            eager = f"{_cell(r, 'eager_peak')} | {_cell(r, 'eager_after_fwd')} | {_cell(r, 'eager_ms', '{:.1f}')}"
+            eager = f"{_cell(r, 'eager_peak')} | {_cell(r, 'eager_after_fwd')} | {_time(r, 'eager')}"
         lines.append(f"| {r['variant']} | {func} | {eager} |")
     return "\n".join(lines)
 
@@ -446,12 +413,13 @@ def plot(results: list[dict], path: str, title: str) -> bool:
             if f"{mode}_ms" not in r or f"{mode}_peak" not in r:
                 continue
             x, y = r[f"{mode}_ms"], r[f"{mode}_peak"]
-            ax.scatter([x], [y], color=cmap(i % 20), s=60, zorder=3)
+            ax.errorbar([x], [y], xerr=[[x - r[f"{mode}_ms_min"]], [r[f"{mode}_ms_max"] - x]],
+                        color=cmap(i % 20), fmt="o", ms=7, capsize=3, zorder=3)
             ax.annotate(str(i + 1), (x, y), fontsize=8, xytext=(5, 4), textcoords="offset points")
         failed = [str(i + 1) for i, r in enumerate(results) if f"{mode}_error" in r]
         sub = name + (f"  (fails here: {', '.join(failed)})" if failed else "")
         ax.set_title(sub, fontsize=9)
-        ax.set_xlabel("training step time (ms, median)")
+        ax.set_xlabel("training step time (ms): median, whiskers min-max")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("peak live activation bytes (MiB, LiveBytes)")
     key = "\n".join(f"{i + 1}  {r['variant']}" for i, r in enumerate(results))
@@ -493,7 +461,7 @@ def plot_loss(losses: list[float], path: str) -> bool:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(
-        prog="python -m remat_fn.demo",
+        prog="python examples/demo.py",
         description="Train a small GPT on a synthetic digit-reversal task with remat on every block "
                     "in a torch.func training loop (functional_call + grad_and_value, dropout from "
                     "remat_fn.random keys, hand-written AdamW), then print a table of activation memory "
@@ -536,15 +504,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(prof)
 
     rows = variants()
-    missing = [name for _, name, _ in POLICY_ROWS if getattr(remat_fn.policies, name, None) is None]
     results = measure(model, params, cfg, args.seed, rows, args.repeats)
     table = format_table(results)
     print(f"\nOne training step, batch {cfg.batch} x {cfg.seq_len} tokens: activation memory "
-          f"(LiveBytes: peak, and live after the forward) and step time (median of {args.repeats}, "
-          "interleaved).  torch.func = grad_and_value(functional_call); eager = loss.backward().\n")
+          f"(LiveBytes: peak, and live after the forward) and step time (median and min-max of "
+          f"{args.repeats} interleaved rounds).  torch.func = grad_and_value(functional_call); eager = loss.backward().\n")
     print(table)
-    if missing:
-        print(f"\n(policies not in this version of remat_fn, so not measured: {', '.join(sorted(set(missing)))})")
     print("(offload policies move tensors from a GPU to the CPU; this machine has none, so they are not shown)")
 
     info = {"python": platform.python_version(), "torch": torch.__version__,
