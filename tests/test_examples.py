@@ -31,7 +31,8 @@ def run(script: str) -> str:
 
 
 def test_every_example_is_covered():
-    assert {p.name for p in EXAMPLES.glob("*.py")} == set(EXPECTED)
+    # demo.py has its own tests (tests/test_demo.py)
+    assert {p.name for p in EXAMPLES.glob("*.py")} - {"demo.py"} == set(EXPECTED)
 
 
 @pytest.mark.parametrize("script", sorted(EXPECTED))

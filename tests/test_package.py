@@ -1,7 +1,9 @@
-"""The package surface: lazy submodules, early policy errors."""
+"""The package surface (lazy submodules, early policy errors) and its layout."""
 
 from __future__ import annotations
 
+import ast
+import pathlib
 import subprocess
 import sys
 
@@ -44,3 +46,64 @@ def test_misused_policies_are_refused_when_remat_is_built(bad, match):
         remat(lambda x: x, policy=bad)  # refused here, not at the first call
     with pytest.raises(PolicyError, match=match):
         remat(policy=bad)
+
+
+# ---------------------------------------------------------------------------
+# Layout: what the package holds and how its modules depend on each other
+# ---------------------------------------------------------------------------
+
+PKG = pathlib.Path(remat_fn.__file__).parent
+
+
+def _modules() -> dict[str, ast.Module]:
+    return {p.stem: ast.parse(p.read_text()) for p in sorted(PKG.glob("*.py"))}
+
+
+def _own_imports(tree: ast.Module) -> list[tuple[str, list[str], bool]]:
+    """``(module, imported names, at module top)`` of every import of a package module,
+    function-level imports included."""
+    top = set(map(id, tree.body))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            names = [a.name for a in node.names]
+            if node.module is None:  # from . import x
+                out += [(n, [], id(node) in top) for n in names]
+            else:
+                out.append((node.module.split(".")[0], names, id(node) in top))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("remat_fn."):
+            out.append((node.module.split(".")[1], [a.name for a in node.names], id(node) in top))
+    return out
+
+
+def test_no_import_cycle_among_the_package_modules():
+    graph = {m: {dep for dep, _, _ in _own_imports(t) if dep != m} for m, t in _modules().items()}
+    done: set[str] = set()
+
+    def visit(m, path):
+        if m in path:
+            raise AssertionError("import cycle: " + " -> ".join([*path[path.index(m):], m]))
+        if m in done:
+            return
+        for dep in graph.get(m, ()):
+            visit(dep, [*path, m])
+        done.add(m)
+
+    for m in graph:
+        visit(m, [])
+
+
+def test_imports_at_module_top_and_no_private_names_across_modules():
+    for m, tree in _modules().items():
+        for dep, names, at_top in _own_imports(tree):
+            assert at_top, f"remat_fn/{m}.py imports remat_fn.{dep} inside a function"
+            private = [n for n in names if n.startswith("_")]
+            assert not private, f"remat_fn/{m}.py imports private names {private} from remat_fn.{dep}"
+
+
+def test_modules_are_small_and_hold_only_the_library():
+    for p in PKG.glob("*.py"):
+        text = p.read_text()
+        assert len(text.splitlines()) <= 650, f"{p.name} has {len(text.splitlines())} lines"
+        for needle in ("matplotlib", "argparse", "tqdm"):
+            assert needle not in text, f"{p.name} mentions {needle}: tooling belongs outside the package"

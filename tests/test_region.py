@@ -1,0 +1,62 @@
+"""remat_fn._region: options validated once, one call normalised once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remat_fn import policies
+from remat_fn._budget import BudgetPlanner
+from remat_fn._region import Options, RegionCall, entered, region_depth
+
+
+def test_options_normalise_and_validate():
+    o = Options.create(policy=[torch.ops.aten.mm.default], static_argnums=1, static_argnames="mode")
+    assert o.static_argnums == (1,) and o.static_argnames == frozenset({"mode"})
+    assert callable(o.policy) and o.planner is None
+    assert isinstance(Options.create(policy=policies.memory_budget(0.5)).planner, BudgetPlanner)
+    with pytest.raises(TypeError, match="static_argnums must contain ints"):
+        Options.create(static_argnums=("a",))
+    with pytest.raises(TypeError, match="preserve_rng_state must be a bool"):
+        Options.create(preserve_rng_state=1)
+    assert Options.create(debug=True).public()["debug"] is True
+
+
+def test_region_call_splits_statics_flattens_once_and_rebuilds():
+    calls = []
+
+    def fun(x, mode, *, y, scale):
+        calls.append(mode)
+        return {"out": x * y["w"] * scale, "mode": mode}
+
+    opts = Options.create(static_argnums=1, static_argnames="scale")
+    x, w = torch.ones(2), torch.full((2,), 3.0)
+    call = RegionCall(fun, "fun", opts, (x, "fast"), {"y": {"w": w}, "scale": 2.0})
+    assert call._leaves is None  # nothing flattened until a path asks
+    assert [t is x or t is w for t in call.inputs] == [True, True]
+    outs, rebuild = call.run([torch.zeros(2), w])
+    assert calls == ["fast"] and len(outs) == 1
+    out = rebuild(outs)
+    assert out["mode"] == "fast" and torch.equal(out["out"], torch.zeros(2))
+    assert call.reach_roots() is not fun  # statics and non-tensor leaves are walked too
+
+
+def test_region_call_refuses_grad_tensors_in_static_arguments():
+    call = RegionCall(lambda x, w: x * w, "f", Options.create(static_argnums=1),
+                      (torch.ones(2), torch.ones(2, requires_grad=True)), {})
+    with pytest.raises(Exception, match="static argument"):
+        call.check_static()
+
+
+def test_region_call_checks_static_argnums_against_the_call():
+    call = RegionCall(lambda x: x, "f", Options.create(static_argnums=3), (torch.ones(1),), {})
+    with pytest.raises(ValueError, match="static_argnums contains 3"):
+        call.check_argnums()
+
+
+def test_region_depth_counts_nested_regions():
+    assert region_depth() == 0
+    with entered():
+        with entered():
+            assert region_depth() == 2
+    assert region_depth() == 0
