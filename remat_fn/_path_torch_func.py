@@ -35,7 +35,7 @@ from ._budget import Measuring
 from ._captures import CaptureMode, MissedCapture
 from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
-from ._describe import describe
+from ._describe import describe, describe_meta
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._functorch import grad_wrappers, is_grad_kind, is_wrapped, live_levels, needs_grad, storage_ptr, unwrap_all, unwrap_if_dead
 from ._profile import active, storage_bytes
@@ -352,10 +352,11 @@ def _saved(ctx, spec: _RegionState):
 def _checked(spec: _RegionState, outs):
     meta = spec.out_meta
     if len(outs) != len(meta) or any(_meta(o) != m for o, m in zip(outs, meta)):
-        got = [_meta(o) for o in outs]
+        got = ", ".join(describe(o, device=True) for o in outs)
+        want = ", ".join(describe_meta(*m) for m in meta)
         raise RecomputeMismatchError(
-            f"Recomputing remat({spec.name}) returned tensors {got} but the forward returned "
-            f"{meta}. The function must be deterministic in its tensor structure: make shapes "
+            f"Recomputing remat({spec.name}) returned tensors ({got}) but the forward returned "
+            f"({want}). The function must be deterministic in its tensor structure: make shapes "
             "and control flow depend only on its arguments (pass Python values through "
             "static_argnums/static_argnames), not on global state."
         )

@@ -28,6 +28,7 @@ import torch
 
 from ._budget import BudgetPlanner
 from ._debug import checks
+from ._describe import describe
 from ._errors import RematError
 from ._pytree import flatten_output
 from ._rng_state import devices_of
@@ -195,7 +196,7 @@ class RegionCall:
             for x in optree.tree_leaves(a, none_is_leaf=True):
                 if isinstance(x, torch.Tensor) and x.requires_grad:
                     raise RematError(
-                        f"remat({self.name}) got a tensor {tuple(x.shape)} that requires grad in a "
+                        f"remat({self.name}) got a tensor {describe(x)} that requires grad in a "
                         "static argument; static arguments are constants and get no gradient. "
                         "Fix: remove it from static_argnums/static_argnames."
                     )
