@@ -142,8 +142,10 @@ def solve(items: list[tuple[Any, int, float]], capacity: float, resolution: int 
     return [items[i][0] for i in sorted(chosen)] + free
 
 
-def make_plan(fraction: float, items: dict, reference: int) -> Plan:
-    capacity = fraction * reference
+def make_plan(fraction: float, items: dict, reference: int, fixed: int = 0) -> Plan:
+    """Save at most ``fraction * reference`` bytes in all, ``fixed`` of which (the
+    region's activation inputs, kept by remat anyway) are already spent."""
+    capacity = max(0.0, fraction * reference - fixed)
     lst = [(k, v[0], v[1]) for k, v in items.items()]
     keys = solve(lst, capacity)
     saved = sum(items[k][0] for k in keys)
@@ -159,7 +161,7 @@ class Measuring:
     autograd's saved tensors are attributed to the op that made them
     (:meth:`note_saved`), and :meth:`finish` turns that into a plan."""
 
-    __slots__ = ("planner", "key", "items", "producer", "saved")
+    __slots__ = ("planner", "key", "items", "producer", "saved", "input_ptrs", "saved_inputs")
 
     def __init__(self, planner: BudgetPlanner, key: tuple):
         self.planner = planner
@@ -169,6 +171,16 @@ class Measuring:
         # (op key, storage) -> bytes of what autograd saved; the pair, because a
         # storage freed after it was saved can be reused by a later op's output
         self.saved: dict[tuple[Any, int], int] = {}
+        # The region's inputs that are activations (made by earlier ops, not
+        # parameters or data): no-remat autograd saves them too and remat keeps
+        # them, so they count against the budget (SPEC: saved activation bytes
+        # <= fraction x the no-remat amount).
+        self.input_ptrs: set[int] = set()
+        self.saved_inputs: dict[int, int] = {}
+
+    def note_inputs(self, ptrs) -> None:
+        """The storages of the region's activation inputs."""
+        self.input_ptrs.update(p for p in ptrs if p is not None)
 
     def __call__(self, ctx, op, *args, **kwargs):
         if op is NAMED:
@@ -191,6 +203,8 @@ class Measuring:
         key = self.producer.get(ptr)
         if key is not None:
             self.saved[(key, ptr)] = nbytes
+        elif ptr in self.input_ptrs:
+            self.saved_inputs[ptr] = nbytes
 
     def finish(self, saved: dict[int, int] | None = None) -> Plan:
         """The plan (cached).  ``saved``: storages autograd holds at the end of the
@@ -199,8 +213,9 @@ class Measuring:
             self.note_saved(ptr, nbytes)
         keys = {k for k, _ in self.saved}
         items = {k: [b, c] for k, (b, c) in self.items.items() if k in keys}
-        plan = make_plan(self.planner.fraction, items, sum(self.saved.values()))
-        self.items, self.producer, self.saved = {}, {}, {}
+        fixed = sum(self.saved_inputs.values())
+        plan = make_plan(self.planner.fraction, items, sum(self.saved.values()) + fixed, fixed)
+        self.items, self.producer, self.saved, self.saved_inputs = {}, {}, {}, {}
         self.planner.store(self.key, plan)
         return plan
 

@@ -343,6 +343,8 @@ def run_with_hooks(call: RegionCall) -> Any:
     snap = RNGSnapshot(call.rng_devices(tensors)) if preserve_rng_state else None
     frame.rng = snap  # provisional: a backward inside the forward may recompute
     policy = call.policy("eager", tensors)
+    if type(policy) is Measuring:  # memory_budget's first call: activation inputs count
+        policy.note_inputs(storage_ptr(t) for t in tensors if t.grad_fn is not None)
     if policy is not None and not forward_mode_active():
         frame.rec = Record(policy)
     _push_hooks(frame.pack, frame.unpack)

@@ -401,6 +401,8 @@ def run_torch_func(call: RegionCall):
     reach = reachable_tensors(call.reach_roots())
     captured = reach.captured({id(t) for t in inputs})
     policy = call.policy("func", [*inputs, *captured])
+    if type(policy) is Measuring:  # memory_budget's first call: activation inputs count
+        policy.note_inputs(storage_ptr(t) for t in inputs if t.grad_fn is not None)
     devices = call.rng_devices(inputs)
     snap = RNGSnapshot(devices) if call.opts.preserve_rng_state else None
     produced = None  # storages made inside the region (recorded on retries only)

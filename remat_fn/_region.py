@@ -190,6 +190,8 @@ class RegionCall:
 
     def check_static(self) -> None:
         """Static arguments are constants: a tensor there that requires grad is refused."""
+        if not (self.opts.static_argnums or self.opts.static_argnames):
+            return
         if self._leaves is None:
             self._flatten()
         for a in (*self._static_args.values(), *self._static_kwargs.values()):

@@ -22,6 +22,8 @@ Tensors that existed before the meter was entered are not counted.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import weakref
 from typing import Any
@@ -30,7 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveBytes", "MiB"]
+__all__ = ["LiveBytes", "MiB", "return_freed_memory_to_os"]
 
 MiB = 1 << 20
 
@@ -126,3 +128,40 @@ class LiveBytes:
         assert self._mode is not None
         self._mode.__exit__(*exc)
         self._mode = None
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+
+
+def return_freed_memory_to_os(threshold: int = 128 * 1024) -> bool:
+    """Make the C allocator give large freed tensors back to the OS (glibc only).
+
+    CPU tensors come from ``malloc``.  glibc serves large blocks with ``mmap``
+    and unmaps them when freed, but after the first such free it raises its
+    threshold to that block's size (up to 32 MiB), so later blocks of that size
+    come from the heap, whose freed memory stays resident.  A training step that
+    recomputes activations during backward (any activation checkpointing)
+    interleaves such allocations with gradients, and the process's peak RSS then
+    exceeds the live tensor bytes by tens of MiB.  This fixes the threshold at
+    ``threshold`` bytes (what ``MALLOC_MMAP_THRESHOLD_=<bytes>`` in the
+    environment does at start-up), so the peak RSS follows the live bytes.
+
+    It changes the allocator of the whole process, for every library in it, and
+    costs an ``mmap``/``munmap`` per large allocation; call it once, at start-up,
+    where peak RSS matters more than allocation speed.  Returns ``False`` (and
+    changes nothing) where the C library is not glibc.  See
+    ``docs/benchmarks.md`` for measurements.
+    """
+    if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold <= 0:
+        raise ValueError(f"threshold must be a positive number of bytes, got {threshold!r}")
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, threshold))

@@ -186,3 +186,33 @@ def test_knapsack_near_optimal(pairs, frac):
     cost = sum(c for k, _, c in items if k not in keys)
     opt = _brute_force(items, capacity)
     assert cost <= 1.10 * opt + 1e-6
+
+
+@pytest.mark.parametrize("path", ["eager", "grad"])
+def test_activation_inputs_count_against_the_budget(path):
+    """SPEC: saved activation bytes <= fraction x the no-remat amount.  A region's
+    input made by earlier ops is saved by plain autograd and kept by remat, so it
+    is part of both sides; parameters and data are not activations."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 64, generator=g)
+    w1, w2 = torch.randn(64, 64, generator=g) / 8, torch.randn(64, 64, generator=g) / 8
+
+    def block(h, w1, w2):
+        return torch.tanh(torch.tanh(h @ w1) @ w2)
+
+    rb = remat(block, policy=P.memory_budget(0.5))
+
+    def loss(x, w1, w2):
+        return rb(x * 2, w1, w2).sum()  # x * 2: an activation input of 8 KiB
+
+    _budget.clear_plans()
+    for _ in range(2):  # the first call measures, the second uses the plan
+        if path == "eager":
+            a, b, c = (t.clone().requires_grad_() for t in (x, w1, w2))
+            loss(a, b, c).backward()
+        else:
+            torch.func.grad(loss, argnums=(0, 1, 2))(x, w1, w2)
+    plan = next(iter(_budget._plans.values()))
+    activation_input = 32 * 64 * 4
+    assert plan.budget_bytes == int(0.5 * plan.reference_bytes - activation_input)
+    assert plan.saved_bytes + activation_input <= 0.5 * plan.reference_bytes

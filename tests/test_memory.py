@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.func import grad, vjp, vmap
 
 from remat_fn import remat
-from remat_fn.memory import LiveBytes
+from remat_fn.memory import LiveBytes, return_freed_memory_to_os
 
 N, D, BLOCKS = 1024, 256, 8
 
@@ -112,3 +117,40 @@ def test_meter_ignores_views_of_older_storages():
         y = v * 2
     assert m.live == y.untyped_storage().nbytes()
     del v, w
+
+
+_FRAGMENT = """
+import sys, torch
+from remat_fn.memory import return_freed_memory_to_os
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+applied = return_freed_memory_to_os() if sys.argv[1] == "on" else None
+base, keep = rss(), []
+for _ in range(6):
+    a = torch.ones(2 * 2**20)  # 8 MiB, freed at once
+    keep.append(torch.ones(64 * 1024))  # 256 KiB kept above it
+    del a
+print(applied, rss() - base)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status") or platform.libc_ver()[0] != "glibc",
+                    reason="glibc on Linux")
+def test_return_freed_memory_to_os_keeps_rss_near_live_bytes():
+    def run(flag):
+        out = subprocess.run([sys.executable, "-c", _FRAGMENT, flag], capture_output=True, text=True,
+                             check=True).stdout.split()
+        return out[0], float(out[1])
+
+    _, default = run("off")
+    applied, fixed = run("on")
+    assert applied == "True"
+    assert fixed < 6, fixed  # the 1.5 MiB kept, not the 8 MiB holes
+    assert default > fixed + 6, (default, fixed)
+
+
+def test_return_freed_memory_to_os_refuses_bad_thresholds():
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        return_freed_memory_to_os(0)
