@@ -358,7 +358,11 @@ def sc_fsdp2(rank, world, out):
     Verified: remat inside each FSDP unit (default reshard_after_forward=True),
     and remat around each FSDP unit with reshard_after_forward=False.
     """
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    # a CPU mesh: on a machine with CUDA the default mesh would be a CUDA one
+    mesh = init_device_mesh("cpu", (world,))
 
     x = _data(12, 16, seed=4)
 
@@ -366,8 +370,8 @@ def sc_fsdp2(rank, world, out):
         rd._reset_stats()
         model = _Net(wrap, inside=inside)
         for b in model.blocks:
-            fully_shard(b, reshard_after_forward=reshard)
-        fully_shard(model)
+            fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh)
         _step(model, x)
         _step(model, x)
         if wrap is rd.remat:
@@ -387,7 +391,11 @@ def sc_checkpoint_wrapper_fsdp2(rank, world, out):
         apply_activation_checkpointing,
         checkpoint_wrapper,
     )
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    # a CPU mesh: on a machine with CUDA the default mesh would be a CUDA one
+    mesh = init_device_mesh("cpu", (world,))
 
     x = _data(12, 16, seed=5)
     calls = [0]
@@ -403,8 +411,8 @@ def sc_checkpoint_wrapper_fsdp2(rank, world, out):
                 model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_fn=counted),
                 check_fn=lambda m: isinstance(m, _Block))
         for b in model.blocks:
-            fully_shard(b)
-        fully_shard(model)
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         _step(model, x)
         _step(model, x)
         return [p.full_tensor().detach().clone() for p in model.parameters()]
