@@ -416,6 +416,17 @@ def plots(res: dict, out: str) -> list[str]:
         if demo_module().plot(res["policies"]["results"], p,
                               f"{res['policies']['model']}: peak activation memory vs step time"):
             paths.append(p)
+    if "func" in res:
+        labels, values = [], []
+        for row in res["func"]["rows"]:
+            for label in ("no remat", "remat"):
+                if isinstance(row[label], float):
+                    labels.append(f"{row['transform']}: {label}")
+                    values.append(row[label])
+        p = os.path.join(out, "func_memory.png")
+        if labels and barh(labels, values, None, "peak live bytes (MiB)",
+                           "torch.func memory (torch.utils.checkpoint fails here)", p, color="tab:orange"):
+            paths.append(p)
     if "rss" in res:
         rows = [r for r in res["rss"]["rows"][1:] if not r.get("error")]
         p = os.path.join(out, "rss.png")

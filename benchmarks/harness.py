@@ -214,11 +214,9 @@ def demo_module():
 
 
 def error_text(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if "saved tensor hooks" in msg:
-        return "fails (torch: saved tensor hooks unsupported)"
-    msg = f"{type(e).__name__}: {msg}"
-    return msg if len(msg) < 70 else msg[:67] + "..."
+    """One line for a table cell: why a variant could not run (the demo's wording)."""
+    text = demo_module().error_text(e)
+    return "fails " + text if text.startswith("(torch:") else text
 
 
 # ---------------------------------------------------------------------------

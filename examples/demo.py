@@ -278,7 +278,8 @@ def variants() -> list[tuple[str, Callable[[nn.Module], Callable]]]:
     ]
 
 
-def _err(e: BaseException) -> str:
+def error_text(e: BaseException) -> str:
+    """One line for a table cell: why a variant could not run."""
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if "saved tensor hooks" in msg:
         return "(torch: saved tensor hooks unsupported)"
@@ -321,7 +322,7 @@ def measure(model: GPT, params, cfg: Config, seed: int, rows, repeats: int, log=
             r["_func"] = (lambda fn=fn, calls=calls: (setattr(model, "_calls", calls),
                                                        fn(params, inputs, targets, mask, k_drop)))
         except Exception as e:
-            r["func_error"] = "fails under torch.func " + _err(e)
+            r["func_error"] = "fails under torch.func " + error_text(e)
 
         # eager: loss.backward() on the module's own parameters
         def eager_step(calls=calls):
@@ -339,7 +340,7 @@ def measure(model: GPT, params, cfg: Config, seed: int, rows, repeats: int, log=
             r["eager_peak"], r["eager_after_fwd"] = m.peak / MiB, after / MiB
             r["_eager"] = eager_step
         except Exception as e:
-            r["eager_error"] = _err(e)
+            r["eager_error"] = error_text(e)
         results.append(r)
 
     # step times: every variant in turn within each round
