@@ -50,8 +50,8 @@ from .harness import (
     ratio,
     spread,
     table,
+    variant,
     variants,
-    wrapper_for,
 )
 from .models import MLPStack, tiny_region
 
@@ -162,8 +162,8 @@ def step(quick: bool) -> dict:
     net = MLPStack(d, hidden, depth)
     params = {k: v.detach() for k, v in net.named_parameters()}
     x = torch.randn(tokens, d)
-    wraps = {"plain": wrapper_for("none", None), "torch": wrapper_for("torch", None),
-             "remat": wrapper_for("remat", None)}
+    wraps = {"plain": variant("no remat"), "torch": variant("torch.utils.checkpoint"),
+             "remat": variant("remat nothing_saveable (default)")}
     calls = {k: [w(b) for b in net.blocks] for k, w in wraps.items()}
 
     def eager(mode):
@@ -235,8 +235,8 @@ def policies(quick: bool) -> dict:
     torch.manual_seed(0)
     model = demo.GPT(cfg)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    rows = [(label, wrapper_for(kind, pol)) for label, kind, pol in variants()]
-    results = demo.measure(model, params, cfg, 0, rows, repeats=3 if quick else 9, log=lambda *_: None)
+    results = demo.measure(model, params, cfg, 0, variants(), repeats=3 if quick else 9, log=lambda *_: None,
+                           timer=interleaved)
     return {"model": f"GPT {cfg.layers} layers, d_model {cfg.d_model}, batch {cfg.batch}x{cfg.seq_len} tokens",
             "results": results}
 
@@ -258,7 +258,8 @@ def func(quick: bool) -> dict:
     net = MLPStack(d, hidden, depth)
     params = {k: v.detach() for k, v in net.named_parameters()}
     x = torch.randn(batch, tokens, d)
-    calls = {m: [wrapper_for(m, None)(b) for b in net.blocks] for m in ("none", "torch", "remat")}
+    calls = {m: [variant(label)(b) for b in net.blocks] for m, label in (
+        ("none", "no remat"), ("torch", "torch.utils.checkpoint"), ("remat", "remat nothing_saveable (default)"))}
 
     def loss(p, xb):
         return functional_call(net, p, (xb,))
@@ -327,10 +328,10 @@ def rss_child(spec: str) -> None:
     full = demo.make_batch(rnd.key(1), cfg)
     small = demo.make_batch(rnd.key(1), dataclasses.replace(cfg, batch=2))
     k_drop = rnd.key(2)
-    table_ = {lab: (kind, pol) for lab, kind, pol in variants()}
+    table_ = dict(variants())
 
-    def run(kind, pol, mode, batch, steps):
-        model.wrap_blocks(wrapper_for(kind, pol))
+    def run(wrap, mode, batch, steps):
+        model.wrap_blocks(wrap)
         if mode == "func":
             params = {k: v.detach() for k, v in model.named_parameters()}
             step = grad_and_value(demo.make_loss_fn(model))
@@ -343,17 +344,17 @@ def rss_child(spec: str) -> None:
                 demo.masked_loss(model(batch[0], k_drop), batch[1], batch[2]).backward()
 
     warm = list(table_.values()) if label == "baseline" else [table_[label]]
-    for kind, pol in warm:
+    for wrap in warm:
         for m in (("eager", "func") if label == "baseline" else (mode,)):
             try:
-                run(kind, pol, m, small, 1)
+                run(wrap, m, small, 1)
             except Exception:
                 pass
     err, live = None, 0
     if label != "baseline":
         try:
             with LiveBytes() as meter:
-                run(*table_[label], mode, full, 2)
+                run(table_[label], mode, full, 2)
             live = meter.peak
         except Exception as e:
             err = error_text(e)
@@ -362,7 +363,7 @@ def rss_child(spec: str) -> None:
 
 def rss(quick: bool) -> dict:
     size, batch = "small", RSS_BATCH[quick]
-    labels = [lab for lab, _, _ in variants()]
+    labels = [lab for lab, _ in variants()]
     if quick:
         labels = ["no remat", "torch.utils.checkpoint", "remat nothing_saveable (default)"]
     configs = [("eager", "baseline")] + [(m, lab) for m in ("eager", "func") for lab in labels]

@@ -10,13 +10,14 @@ Every section of the suite (``python -m benchmarks``) measures with these:
 - :func:`fresh_process` runs a measurement in a new Python process and reads its
   peak resident set size (``VmHWM``), next to the live tensor bytes that
   :class:`remat_fn.memory.LiveBytes` counted in the same process.
-- :func:`variants` is the one table of what is compared: no checkpointing,
-  ``torch.utils.checkpoint``, torch's selective checkpointing saving matmuls,
-  and ``remat`` under each policy of :mod:`remat_fn.policies`.
+- :func:`variants` is the one table of what is compared: the demo's (no
+  checkpointing, ``torch.utils.checkpoint``, ``remat`` under each policy of
+  :mod:`remat_fn.policies`) plus torch's selective checkpointing saving matmuls.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -30,7 +31,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import remat_fn
 
@@ -157,48 +159,23 @@ def sac_save_matmuls():
     return policy
 
 
-def variants(names: bool = True) -> list[tuple[str, str, Any]]:
-    """``(label, kind, policy)``: ``kind`` is ``"none"``, ``"torch"``, ``"torch_sac"``
-    or ``"remat"``.  ``names``: include the name policies (for models that tag
-    ``attn_out`` and ``mlp_hidden`` with ``checkpoint_name``)."""
-    P = remat_fn.policies
-    rows: list[tuple[str, str, Any]] = [
-        ("no remat", "none", None),
-        ("torch.utils.checkpoint", "torch", None),
-        ("torch SAC (save mm/addmm/bmm)", "torch_sac", sac_save_matmuls()),
-        ("remat nothing_saveable (default)", "remat", None),
-        ("remat everything_saveable", "remat", P.everything_saveable),
-        ("remat dots_saveable", "remat", P.dots_saveable),
-        ("remat dots_with_no_batch_dims_saveable", "remat", P.dots_with_no_batch_dims_saveable),
-    ]
-    if names:
-        rows += [
-            ("remat save_only_these_names('attn_out')", "remat", P.save_only_these_names("attn_out")),
-            ("remat save_anything_except_these_names('mlp_hidden')", "remat",
-             P.save_anything_except_these_names("mlp_hidden")),
-        ]
-    rows += [("remat memory_budget(0.5)", "remat", P.memory_budget(0.5)),
-             ("remat memory_budget(0.2)", "remat", P.memory_budget(0.2))]
+def variants() -> list[tuple[str, Callable[[Callable], Callable]]]:
+    """``(label, wrap)``: how each block is called.  The demo's table (no remat,
+    ``torch.utils.checkpoint``, ``remat`` under each policy) plus torch's
+    selective checkpointing saving matmuls, which needs nothing from remat_fn."""
+    ctx = functools.partial(create_selective_checkpoint_contexts, sac_save_matmuls())
+
+    def torch_sac(block):
+        return functools.partial(torch_checkpoint, block, use_reentrant=False, context_fn=ctx)
+
+    rows = list(demo_module().variants())
+    rows.insert(2, ("torch SAC (save mm/addmm/bmm)", torch_sac))
     return rows
 
 
-def wrapper_for(kind: str, policy: Any) -> Callable[[Callable], Callable]:
-    """``wrap(block) -> callable`` for one row of :func:`variants`."""
-    import functools
-
-    from torch.utils.checkpoint import checkpoint as torch_checkpoint
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    if kind == "none":
-        return lambda b: b
-    if kind == "torch":
-        return lambda b: functools.partial(torch_checkpoint, b, use_reentrant=False)
-    if kind == "torch_sac":
-        ctx = functools.partial(create_selective_checkpoint_contexts, policy)
-        return lambda b: functools.partial(torch_checkpoint, b, use_reentrant=False, context_fn=ctx)
-    if kind == "remat":
-        return lambda b: remat_fn.remat(b, policy=policy)
-    raise ValueError(f"unknown variant kind {kind!r}")
+def variant(label: str) -> Callable[[Callable], Callable]:
+    """The ``wrap`` of one row of :func:`variants`."""
+    return dict(variants())[label]
 
 
 def demo_module():

@@ -1,7 +1,7 @@
 """Models shared by the benchmark sections.
 
 - :class:`MLPStack`: a stack of pre-LN MLP blocks whose blocks are called
-  through a ``wrap`` chosen per measurement (see :func:`harness.wrapper_for`).
+  through a ``wrap`` chosen per measurement (see :func:`harness.variants`).
 - :func:`tiny_region`: the region the per-call overhead is measured on.
 - :func:`gpt2`: Hugging Face GPT-2 from a config (needs ``transformers``).
 - The demo's GPT (``harness.demo_module().GPT``) is the suite's small transformer.

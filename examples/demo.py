@@ -287,10 +287,31 @@ def error_text(e: BaseException) -> str:
     return msg if len(msg) < 70 else msg[:67] + "..."
 
 
-def measure(model: GPT, params, cfg: Config, seed: int, rows, repeats: int, log=print) -> list[dict]:
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds per call of each function, one sample per round; the functions
+    alternate within every round, so background load hits them alike."""
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    bar = _progress(repeats * len(fns), "timing steps")
+    for fn in fns.values():  # warm-up
+        fn()
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[k].append(time.perf_counter() - t0)
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    return samples
+
+
+def measure(model: GPT, params, cfg: Config, seed: int, rows, repeats: int, log=print,
+            timer=interleaved) -> list[dict]:
     """Memory and step time of each ``(label, wrap)`` row, under torch.func and in eager
-    autograd.  Steps of all rows alternate within each round; each time is reported
-    as median and min-max over the rounds."""
+    autograd.  ``timer(fns, repeats) -> {name: seconds per round}`` times the steps of
+    all rows alternating within each round; each time is reported as median and
+    min-max over the rounds."""
     key = rnd.key(seed + 1)
     inputs, targets, mask = make_batch(rnd.fold_in(key, 0), cfg)
     k_drop = rnd.fold_in(key, 1)
@@ -344,26 +365,16 @@ def measure(model: GPT, params, cfg: Config, seed: int, rows, repeats: int, log=
         results.append(r)
 
     # step times: every variant in turn within each round
-    timed = [(r, k) for r in results for k in ("_func", "_eager") if k in r]
-    samples: dict[tuple[int, str], list[float]] = {(id(r), k): [] for r, k in timed}
-    bar = _progress(repeats * len(timed), "timing steps")
-    for r, k in timed:  # warm-up
-        r[k]()
-    for _ in range(repeats):
-        for r, k in timed:
-            t0 = time.perf_counter()
-            r[k]()
-            samples[(id(r), k)].append((time.perf_counter() - t0) * 1e3)
-            if bar is not None:
-                bar.update(1)
-    if bar is not None:
-        bar.close()
-    for r, k in timed:
-        v = samples[(id(r), k)]
-        name = k.strip("_")
-        r[name + "_ms"] = statistics.median(v)
-        r[name + "_ms_min"], r[name + "_ms_max"] = min(v), max(v)
-        del r[k]
+    fns = {f"{i}{k}": r[k] for i, r in enumerate(results) for k in ("_func", "_eager") if k in r}
+    samples = timer(fns, repeats)
+    for i, r in enumerate(results):
+        for k in ("_func", "_eager"):
+            if k in r:
+                v = [t * 1e3 for t in samples[f"{i}{k}"]]
+                name = k.strip("_")
+                r[name + "_ms"] = statistics.median(v)
+                r[name + "_ms_min"], r[name + "_ms_max"] = min(v), max(v)
+                del r[k]
     model.wrap_blocks(remat_fn.remat)
     return results
 
