@@ -130,14 +130,10 @@ def make_wrapper(fun: Any, opts: Options) -> Any:
         # remat becomes a no-op, as in JAX (and keeps no more than no remat);
         # outer hooks (remat_fn.distributed) still store what autograd saves.
         def wrapper(*args, **kwargs):
-            hooks = opts.outer_hooks(RegionCall(fun, name, opts, args, kwargs)) if opts.outer_hooks else None
-            if hooks is None:
+            if opts.outer_hooks is None:
                 return fun(*args, **kwargs)
-            _push_hooks(*hooks)
-            try:
-                return fun(*args, **kwargs)
-            finally:
-                _pop_hooks()
+            call = RegionCall(fun, name, opts, args, kwargs)
+            return _under(opts.outer_hooks(call), fun, *args, **kwargs)
     else:
         def wrapper(*args, **kwargs):
             return run_region(RegionCall(fun, name, opts, args, kwargs))
@@ -198,13 +194,18 @@ def run_region(call: RegionCall) -> Any:
             return run_torch_func(call)
         outer = call.opts.outer_hooks(call) if call.opts.outer_hooks is not None else None
         try:
-            if outer is None:
-                return run_with_hooks(call)
-            _push_hooks(*outer)
-            try:
-                return run_with_hooks(call)
-            finally:
-                _pop_hooks()
+            return _under(outer, run_with_hooks, call)
         except NeedsTorchFuncPath:
             # fun calls torch.func.grad/vjp/...: the autograd.Function path needs no hooks
             return run_torch_func(call)
+
+
+def _under(hooks, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with the saved-tensor ``hooks`` pair pushed (none: as is)."""
+    if hooks is None:
+        return fn(*args, **kwargs)
+    _push_hooks(*hooks)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _pop_hooks()
