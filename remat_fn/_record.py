@@ -35,6 +35,7 @@ __all__ = ["Record", "SaveMode", "saving", "paused", "checkpoint_name"]
 
 _local = threading.local()
 _no_torch_function = torch._C.DisableTorchFunction
+_DETACH = torch.ops.aten.detach.default
 
 
 def _kept(out):
@@ -341,7 +342,10 @@ class SaveMode(TorchDispatchMode):
             return self._dispatch(func, args, kwargs or {})
 
     def _dispatch(self, func, args, kwargs):
-        if self.rec.paused and not self.recompute:
+        if (self.rec.paused and not self.recompute) or func is _DETACH:
+            # A detach is never kept (a view) and autograd under a functorch grad
+            # level inserts its own detaches where the forward ran none: leaving
+            # them out of the op sequence keeps the replay aligned.
             return func(*args, **kwargs)
         n = self.counts.get(func, 0)
         self.counts[func] = n + 1
@@ -410,7 +414,9 @@ def checkpoint_name(x: Any, name: str) -> Any:
     if stack:
         mode = stack[-1]
         if not mode.recompute and mode.rec.policy is not None:
-            with _no_torch_function():
+            # paused: the detach that keeps the value is bookkeeping, not an op of
+            # the region; recorded, it would shift the replayed op sequence
+            with _no_torch_function(), _paused(mode.rec):
                 for t in optree.tree_leaves(x):
                     if isinstance(t, torch.Tensor):
                         mode.rec.named(t, name)
