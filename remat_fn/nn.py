@@ -9,20 +9,29 @@
   access, hooks and ``isinstance(m, OriginalClass)`` are unchanged;
 * ``copy.deepcopy(m)`` gives an independent rematerialised module;
 * ``torch.func.functional_call(m, params, ...)`` with ``grad``/``vmap(grad)``
-  works, since the parameters swapped in are found when the forward runs.
+  works, since the parameters swapped in are found when the forward runs;
+* the module pickles whole (``torch.save(model)``/``torch.load``, ``pickle``):
+  the generated class is not importable, so it pickles as "the original class,
+  rematerialised" and is rebuilt from the original class on load.  The policy
+  travels in the module's ``__dict__`` (the policies of :mod:`remat_fn.policies`
+  pickle).
 
-``unremat_module(m)`` restores the original class.  Rematerialised modules
-cannot be pickled whole (save their ``state_dict()``, as usual).
+No wrapper function is built per forward: the options are validated once (in
+:func:`remat_module`) and each forward is one region call.
+
+``unremat_module(m)`` restores the original class.
 """
 
 from __future__ import annotations
 
+import copyreg
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ._transform import remat
+from ._transform import call_once, remat
 
 __all__ = ["remat_module", "apply_remat", "unremat_module", "is_remat_module"]
 
@@ -35,18 +44,81 @@ def _make_class(cls: type[torch.nn.Module]) -> type:
     if sub is not None:
         return sub
     def forward(self, *args, **kwargs):
-        policy = self.__dict__.get(_POLICY_ATTR)
-        return remat(cls.forward.__get__(self), policy=policy)(*args, **kwargs)
+        # the options are validated once per policy (call_once caches them):
+        # no wrapper is built per forward, and the module keeps no reference to
+        # itself (a cached bound method would make a reference cycle)
+        return call_once(cls.forward.__get__(self), args, kwargs, policy=self.__dict__.get(_POLICY_ATTR))
+
+    def __reduce_ex__(self, protocol):
+        # ``Remat<Name>`` cannot be looked up by name: pickle the original
+        # class and rebuild the generated subclass from it on load
+        return _reduce_with_original(cls.__reduce_ex__(self, protocol), sub, cls)
 
     forward.__doc__ = getattr(cls.forward, "__doc__", None)
     sub = type(
         f"Remat{cls.__name__}",
         (cls,),
-        {"forward": forward, "_remat_fn_original_class": cls, "__module__": cls.__module__},
+        {"forward": forward, "__reduce_ex__": __reduce_ex__,
+         "_remat_fn_original_class": cls, "__module__": cls.__module__},
     )
     sub.__qualname__ = f"Remat{cls.__qualname__}"
     _CLASSES[cls] = sub
     return sub
+
+
+def _new_remat(cls: type, *args: Any) -> Any:
+    """Unpickling: ``copyreg.__newobj__`` for the rematerialised subclass of ``cls``."""
+    sub = _make_class(cls)
+    return sub.__new__(sub, *args)
+
+
+def _new_remat_ex(cls: type, args: tuple, kwargs: dict) -> Any:
+    """Unpickling: ``copyreg.__newobj_ex__`` for the rematerialised subclass of ``cls``."""
+    sub = _make_class(cls)
+    return sub.__new__(sub, *args, **kwargs)
+
+
+def _reconstruct_remat(cls: type, base: type, state: Any) -> Any:
+    """Unpickling (protocols 0 and 1): ``copyreg._reconstructor`` for ``cls``'s subclass."""
+    return copyreg._reconstructor(_make_class(cls), base, state)  # type: ignore[attr-defined]
+
+
+def _call_remat(cls: type, args: tuple) -> Any:
+    """Unpickling, for a ``__reduce__`` that calls the class: call the subclass."""
+    return _make_class(cls)(*args)
+
+
+def _reduce_with_original(rv: Any, sub: type, cls: type) -> Any:
+    """``rv`` (a ``__reduce_ex__`` value) with the generated ``sub`` replaced by
+    a constructor that rebuilds it from the importable ``cls``."""
+    if not isinstance(rv, tuple) or len(rv) < 2:
+        return rv
+    fn, args, rest = rv[0], rv[1], rv[2:]
+    if fn is copyreg.__newobj__ and args and args[0] is sub:  # type: ignore[attr-defined]
+        return (_new_remat, (cls, *args[1:]), *rest)
+    if fn is copyreg.__newobj_ex__ and args and args[0] is sub:  # type: ignore[attr-defined]
+        return (_new_remat_ex, (cls, *args[1:]), *rest)
+    if fn is copyreg._reconstructor and args and args[0] is sub:  # type: ignore[attr-defined]
+        return (_reconstruct_remat, (cls, *args[1:]), *rest)
+    if fn is sub:
+        return (_call_remat, (cls, args), *rest)
+    return rv
+
+
+class _Ops(tuple):
+    """A list-of-ops policy as the module keeps it: a tuple (hashable, so its
+    options are built once) that pickles by op name (torch's op objects do not
+    pickle)."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return (_ops_by_name, (tuple(str(op) for op in self),))
+
+
+def _ops_by_name(names: tuple[str, ...]) -> _Ops:
+    """``("aten.mm.default", "aten.addmm")`` -> the ops ``torch.ops.aten.mm.default``, ..."""
+    return _Ops(functools.reduce(getattr, name.split("."), torch.ops) for name in names)
 
 
 def _noop():
@@ -76,6 +148,8 @@ def remat_module(module: torch.nn.Module, *, policy: Any = None) -> torch.nn.Mod
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"remat_module expects an nn.Module, got {type(module).__name__}")
     remat(_noop, policy=policy)  # an invalid policy fails now, not at the first forward
+    if isinstance(policy, (list, tuple, set, frozenset)):
+        policy = _Ops(policy)  # a list of ops: hashable, and it pickles
     if not is_remat_module(module):
         module.__class__ = _make_class(type(module))
     module.__dict__[_POLICY_ATTR] = policy

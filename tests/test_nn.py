@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 
 import pytest
 import torch
 from torch.func import functional_call, grad, vjp, vmap
 
+from remat_fn import policies, remat, saved_residuals
 from remat_fn.memory import LiveBytes
 from remat_fn.nn import apply_remat, is_remat_module, remat_module, unremat_module
 
@@ -116,3 +119,226 @@ def test_remat_module_memory_under_vjp():
 def test_errors():
     with pytest.raises(TypeError):
         remat_module(lambda x: x)
+
+
+# -- pickling: torch.save / torch.load, pickle, deepcopy (issue 22) -------------------
+
+
+class PatchEmbed(torch.nn.Module):
+    """A timm-style patch embedding (a strided conv, flattened to tokens)."""
+
+    def __init__(self, patch=4, chans=3, dim=16):
+        super().__init__()
+        self.proj = torch.nn.Conv2d(chans, dim, patch, stride=patch)
+
+    def forward(self, x):
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, dim, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        a = (q @ k.transpose(-2, -1) * (c // self.heads) ** -0.5).softmax(-1)
+        return self.proj((a @ v).transpose(1, 2).reshape(b, n, c))
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = torch.nn.Linear(dim, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VitBlock(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm1, self.attn = torch.nn.LayerNorm(dim), Attention(dim)
+        self.norm2, self.mlp = torch.nn.LayerNorm(dim), Mlp(dim, 2 * dim)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyVit(torch.nn.Module):
+    """A timm-like vision transformer: patch embedding, ``blocks``, norm, head."""
+
+    def __init__(self, dim=16, depth=2, classes=5):
+        super().__init__()
+        self.patch_embed = PatchEmbed(dim=dim)
+        self.cls_token = torch.nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = torch.nn.Parameter(torch.randn(1, 5, dim) * 0.02)
+        self.blocks = torch.nn.Sequential(*[VitBlock(dim) for _ in range(depth)])
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, classes)
+
+    def forward(self, x):
+        x = self.patch_embed(x)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], 1) + self.pos_embed
+        return self.head(self.norm(self.blocks(x))[:, 0])
+
+
+class RematMethods(torch.nn.Module):
+    """``@remat``-decorated methods in the class body (the function is a class attribute)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    @remat
+    def mlp(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+    @remat(policy=policies.dots_saveable)
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
+def _mse(out, y):
+    return (out - y).pow(2).mean()
+
+
+def _case(kind):
+    """(plain model, rematerialised copy, loss(model, batch), batch)."""
+    torch.manual_seed(0)
+    if kind == "sequential":
+        ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8), torch.nn.Linear(8, 2))
+        model = apply_remat(copy.deepcopy(ref), lambda m: isinstance(m, torch.nn.Linear), policy=policies.dots_saveable)
+        batch = (torch.randn(4, 8), torch.randn(4, 2))
+        return ref, model, lambda m, b: _mse(m(b[0]), b[1]), batch
+    if kind == "timm":
+        ref = TinyVit()
+        model = apply_remat(copy.deepcopy(ref), lambda m: isinstance(m, VitBlock))
+        batch = (torch.randn(2, 3, 8, 8), torch.tensor([1, 3]))
+        return ref, model, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]), batch
+    if kind == "methods":
+        ref = RematMethods()
+        return ref, copy.deepcopy(ref), lambda m, b: _mse(m(b[0]), b[1]), (torch.randn(4, 8), torch.randn(4, 8))
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=64, use_cache=False)
+    if kind == "gpt2":
+        ref = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common))
+        block = transformers.models.gpt2.modeling_gpt2.GPT2Block
+    else:
+        ref = transformers.BertForMaskedLM(transformers.BertConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, max_position_embeddings=32,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **common))
+        block = transformers.models.bert.modeling_bert.BertLayer
+    model = apply_remat(copy.deepcopy(ref), lambda m: isinstance(m, block))
+    ids = torch.randint(0, 64, (2, 12))
+    return ref, model, lambda m, b: m(input_ids=b, labels=b).loss, ids
+
+
+def _round_trip(model, how):
+    if how == "torch.save":
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(model))
+    return copy.deepcopy(model)
+
+
+def _grads(model, loss, batch):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.autograd.grad(loss(model, batch), params)
+
+
+def _func_grads(model, loss, batch):
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    return grad(lambda p: loss(_Functional(model, p), batch))(params)
+
+
+class _Functional:
+    """``model`` called through ``torch.func.functional_call`` with ``params``."""
+
+    def __init__(self, model, params):
+        self.model, self.params = model, params
+
+    def __call__(self, *args, **kwargs):
+        return functional_call(self.model, self.params, args, kwargs)
+
+
+@pytest.mark.parametrize("how", ["torch.save", "pickle", "deepcopy"])
+@pytest.mark.parametrize("kind", ["sequential", "timm", "methods", "gpt2", "bert"])
+def test_pickle_round_trip_trains_like_the_original(kind, how):
+    ref, model, loss, batch = _case(kind)
+    loaded = _round_trip(model, how)
+    assert loaded is not model and type(loaded) is type(model)
+    assert [type(m) for m in loaded.modules()] == [type(m) for m in model.modules()]
+    assert [is_remat_module(m) for m in loaded.modules()] == [is_remat_module(m) for m in model.modules()]
+    assert kind == "methods" or any(is_remat_module(m) for m in loaded.modules())
+    assert list(loaded.state_dict()) == list(model.state_dict()) == list(ref.state_dict())
+    assert_tree_close(loaded.state_dict(), ref.state_dict(), exact=True)
+    # the same gradients as the original (and as no remat), eager and under torch.func
+    g_ref = _grads(ref, loss, batch)
+    assert_tree_close(_grads(loaded, loss, batch), g_ref)
+    assert_tree_close(_grads(loaded, loss, batch), _grads(model, loss, batch), exact=True)
+    assert_tree_close(_func_grads(loaded, loss, batch), _func_grads(ref, loss, batch))
+    assert_tree_close(_func_grads(loaded, loss, batch), _func_grads(model, loss, batch), exact=True)
+    # independent of the original, and trains like it: a few SGD steps
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, loaded)]
+    for _ in range(3):
+        for m, opt in zip((model, loaded), opts):
+            opt.zero_grad()
+            loss(m, batch).backward()
+            opt.step()
+    assert_tree_close(loaded.state_dict(), model.state_dict(), exact=True)
+    assert not torch.equal(next(loaded.parameters()), next(ref.parameters()))
+
+
+def test_pickle_keeps_the_policy_and_every_protocol_works():
+    net = remat_module(torch.nn.Linear(4, 4), policy=policies.dots_saveable)
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        twin = pickle.loads(pickle.dumps(net, protocol=protocol))
+        assert is_remat_module(twin) and type(twin) is type(net)
+        assert twin.__dict__["_remat_fn_policy"] is policies.dots_saveable
+    # a list of ops (torch's op objects do not pickle themselves: kept by name)
+    ops = [torch.ops.aten.mm.default, torch.ops.aten.addmm]
+    net = remat_module(torch.nn.Linear(4, 4), policy=ops)
+    twin = pickle.loads(pickle.dumps(net))
+    assert list(twin.__dict__["_remat_fn_policy"]) == ops
+    x = torch.randn(3, 4, requires_grad=True)
+    assert saved_residuals(twin, x) == saved_residuals(net, x)
+    budget = remat_module(torch.nn.Linear(4, 4), policy=policies.memory_budget(0.5))
+    twin = pickle.loads(pickle.dumps(budget))
+    assert twin.__dict__["_remat_fn_policy"].fraction == 0.5
+    x = torch.randn(3, 4, requires_grad=True)
+    assert_tree_close(torch.autograd.grad(twin(x).sum(), x), torch.autograd.grad(budget(x).sum(), x), exact=True)
+    # unremat after loading gives the plain class back
+    assert type(unremat_module(twin)) is torch.nn.Linear
+
+
+def test_forward_builds_no_wrapper_per_call(monkeypatch):
+    import remat_fn._transform as transform
+
+    net = remat_module(torch.nn.Linear(4, 4))
+    built = []
+    real = transform.make_wrapper
+    monkeypatch.setattr(transform, "make_wrapper", lambda *a, **k: built.append(1) or real(*a, **k))
+    x = torch.randn(3, 4, requires_grad=True)
+    for _ in range(3):
+        net(x).sum().backward()
+    assert built == []
+    # and the module keeps no reference to itself (no cycle to wait for the gc)
+    import gc
+    import weakref
+
+    ref = weakref.ref(net)
+    gc.disable()
+    try:
+        del net
+        assert ref() is None
+    finally:
+        gc.enable()
