@@ -94,3 +94,91 @@ def _process_group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+# -- links to a heading use explicit ids ------------------------------------------------
+# A heading's generated id depends on the Markdown toolchain's slugify (code spans,
+# punctuation) and changes when the heading does; a link to one broke the strict
+# docs build.  So every `page.md#anchor` (and `#anchor`) link must target an id the
+# target page defines itself: `## Title {#anchor}` (attr_list), an HTML `id=`/`name=`,
+# or, on a mkdocstrings page, the dotted path of an object it documents (`:::`).
+
+LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]*#[^)\s>]*)>?(?:\s+\"[^\"]*\")?\s*\)|href=\"([^\"]*#[^\"]*)\"")
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+EXPLICIT_ID = re.compile(r"\{:?[^}\n]*?#([A-Za-z][\w.:-]*)[^}\n]*\}|\b(?:id|name)=[\"']([^\"']+)[\"']")
+DIRECTIVE = re.compile(r"^:::\s+([\w.]+)", re.M)
+
+
+def _explicit_anchors(page: pathlib.Path) -> set[str]:
+    text = FENCE.sub("", page.read_text())
+    ids = {a or b for a, b in EXPLICIT_ID.findall(text)}
+    for obj in DIRECTIVE.findall(text):  # mkdocstrings: the object and its members
+        ids.add(obj)
+    return ids
+
+
+def _documented_object(anchor: str, page: pathlib.Path) -> bool:
+    """``anchor`` is the path of an object a ``:::`` directive of ``page`` renders."""
+    import importlib
+
+    roots = DIRECTIVE.findall(page.read_text())
+    if not any(anchor == r or anchor.startswith(r + ".") for r in roots):
+        return False
+    parts = anchor.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for name in parts[i:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def broken_anchor_links(root: pathlib.Path, files: list[str]) -> list[str]:
+    """``file: target`` for every link to an anchor its target page does not define explicitly."""
+    bad = []
+    for f in files:
+        src = root / f
+        text = FENCE.sub("", src.read_text())
+        for m in LINK.finditer(text):
+            target = m.group(1) or m.group(2)
+            if re.match(r"[a-z]+:", target):  # http(s):, mailto:: not ours
+                continue
+            path, _, anchor = target.partition("#")
+            page = (src.parent / path).resolve() if path else src
+            if not page.is_file():
+                bad.append(f"{f}: {target} (no such page)")
+            elif anchor not in _explicit_anchors(page) and not _documented_object(anchor, page):
+                bad.append(f"{f}: {target}")
+    return bad
+
+
+def test_anchor_links_target_explicit_ids():
+    bad = broken_anchor_links(ROOT, FILES)
+    assert not bad, (
+        "links to anchors the target page does not define explicitly (generated heading ids "
+        "change with the heading and the toolchain): give the heading an id, `## Title {#id}`, "
+        "and link to that:\n  " + "\n  ".join(bad)
+    )
+
+
+def test_anchor_link_check_catches_generated_ids(tmp_path):
+    (tmp_path / "a.md").write_text(
+        "# A\n\n## Policies vs `torch.utils.checkpoint`\n\n## Explicit {#explicit}\n\n"
+        '<a id="html-id"></a>\n\n::: remat_fn.nn\n\n```python\n# [not a link](b.md#nowhere)\n```\n'
+    )
+    (tmp_path / "b.md").write_text(
+        "[ok](a.md#explicit) [ok](a.md#html-id) [ok](#here) [ok](a.md#remat_fn.nn.apply_remat)\n"
+        "[web](https://example.org/x#y)\n\n## Here {#here}\n\n"
+        "[bad](a.md#policies-vs-torchutilscheckpoint) [bad](#missing) [bad](c.md#x) "
+        "[bad](a.md#remat_fn.nn.no_such_function)\n"
+    )
+    assert broken_anchor_links(tmp_path, ["a.md", "b.md"]) == [
+        "b.md: a.md#policies-vs-torchutilscheckpoint", "b.md: #missing",
+        "b.md: c.md#x (no such page)", "b.md: a.md#remat_fn.nn.no_such_function",
+    ]
