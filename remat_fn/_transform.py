@@ -91,7 +91,16 @@ def remat(
                           static_argnames=static_argnames, prevent_cse=prevent_cse,
                           preserve_rng_state=preserve_rng_state, debug=debug)
     if fun is None:
-        return functools.partial(make_wrapper, opts=opts)  # type: ignore[return-value]
+        def decorator(*args, **kwargs):
+            if len(args) != 1 or kwargs or not callable(args[0]):
+                got = ", ".join([*(type(a).__name__ for a in args), *(f"{k}=..." for k in kwargs)])
+                raise TypeError(
+                    f"remat(policy=...) returns a decorator: call it on a function first, "
+                    f"remat(fn, policy=...)(x, ...) or @remat(policy=...) above a def; it was called "
+                    f"with ({got}) instead of one function."
+                )
+            return make_wrapper(args[0], opts)
+        return decorator  # type: ignore[return-value]
     return make_wrapper(fun, opts)
 
 

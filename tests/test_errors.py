@@ -138,3 +138,21 @@ def test_region_mutating_its_input_is_refused():
     w = torch.randn(3, requires_grad=True)
     with pytest.raises(RematError, match="clone"):
         remat(f)(torch.randn(3), w)
+
+
+def test_decorator_called_without_a_function_names_the_fix():
+    # remat(policy=...)(x, w1, w2): the function was forgotten
+    x, w1, w2 = torch.randn(2, 4), torch.randn(4, 4), torch.randn(4, 4)
+    deco = remat(policy=remat_fn.policies.dots_saveable)
+    for call in (lambda: deco(x, w1, w2), lambda: deco(x), lambda: deco(x, policy=None), lambda: deco()):
+        with pytest.raises(TypeError, match=r"returns a decorator: call it on a function first, "
+                                            r"remat\(fn, policy=\.\.\.\)\(x, \.\.\.\)") as ei:
+            call()
+        assert "multiple values" not in str(ei.value)
+    with pytest.raises(TypeError, match=r"with \(Tensor, Tensor, Tensor\)"):
+        deco(x, w1, w2)
+    # the decorator itself still works, on functions and modules
+    f = deco(lambda x, w1, w2: torch.tanh(x @ w1) @ w2)
+    torch.testing.assert_close(f(x, w1, w2), torch.tanh(x @ w1) @ w2)
+    lin = torch.nn.Linear(4, 4)
+    torch.testing.assert_close(remat(policy=None)(lin)(x), lin(x))
