@@ -182,3 +182,38 @@ def test_anchor_link_check_catches_generated_ids(tmp_path):
         "b.md: a.md#policies-vs-torchutilscheckpoint", "b.md: #missing",
         "b.md: c.md#x (no such page)", "b.md: a.md#remat_fn.nn.no_such_function",
     ]
+
+
+# -- printed outputs shown in the docs are what the code prints ---------------------------
+
+
+def test_policies_page_printed_residuals_are_real(tmp_path, monkeypatch):
+    """The ``>>>`` session on policies.md, run as a doctest: ``block`` from the page's
+    "Naming values" block saved as ``model.py`` (so source lines read ``model.py:4``),
+    with ``x`` 8x16, ``w1`` 16x32, ``w2`` 32x16 as the prose says."""
+    import doctest
+    import importlib.util
+
+    import torch
+
+    import remat_fn
+    from remat_fn import policies
+
+    text = (ROOT / "docs/policies.md").read_text()
+    (model_src,) = [b for b in blocks("docs/policies.md") if "def block" in b]
+    (tmp_path / "model.py").write_text(model_src)
+    monkeypatch.chdir(tmp_path)
+    spec = importlib.util.spec_from_file_location("model", "model.py")
+    model = importlib.util.module_from_spec(spec)
+    model.torch = torch  # the page imports torch in an earlier block
+    spec.loader.exec_module(model)
+    sessions = [b for b in re.findall(r"^```text\n(.*?)^```", text, re.S | re.M) if b.startswith(">>>")]
+    assert sessions and "dots_saveable" in sessions[0]
+    globs = dict(torch=torch, remat_fn=remat_fn, policies=policies, block=model.block,
+                 x=torch.randn(8, 16), w1=torch.randn(16, 32), w2=torch.randn(32, 16))
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    for i, session in enumerate(sessions):
+        test = doctest.DocTestParser().get_doctest(session, dict(globs), f"docs/policies.md[text {i}]",
+                                                   "docs/policies.md", 0)
+        result = runner.run(test, out=lambda s: pytest.fail("docs/policies.md shows an output the code does not print:\n" + s))
+        assert result.attempted >= 3 and result.failed == 0
