@@ -170,9 +170,12 @@ class _Frame:
                 rec.policy.note_saved(ptr, nbytes)
             if self.outer is None and ptr in rec.kept_ptrs:
                 # the policy keeps it anyway: autograd holds it as is, so backward
-                # needs no recomputation for it (and keeps no extra copy)
+                # needs no recomputation for it (and keeps no extra copy).  Without
+                # its history: an op's output held by its own node through a hook
+                # is a reference cycle (node -> packed -> tensor -> node) that
+                # outlives a graph dropped without backward until gc runs.
                 self.handles.append(_DEAD)
-                return _Direct(t)
+                return _Direct(t.detach() if t.grad_fn is not None else t)
         if self.outer is None and (id(t) in self.input_ids or (t.is_leaf and t.requires_grad)):
             # An input or a parameter is alive anyway: keep it as plain autograd
             # does, so a backward that needs only such tensors recomputes

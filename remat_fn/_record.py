@@ -253,7 +253,9 @@ class Record:
             if isinstance(o, torch.Tensor):
                 b = _base(o)
                 if storage_ptr(b) in kept:
-                    self.versions.append((b, b._version))
+                    # a detached alias shares the version counter; the output itself
+                    # would tie its graph to this record (a reference cycle)
+                    self.versions.append((b.detach(), b._version))
 
     # -- recompute -------------------------------------------------------------
     def check_versions(self) -> None:

@@ -83,7 +83,7 @@ def test_meter_counts_storages_once_and_frees():
 # (how it is differentiated, what is measured, remat / plain at most)
 CLAIMS = [
     ("eager backward", _eager, "after forward", 0.6),
-    ("eager backward", _eager, "peak", 1.0),
+    ("eager backward", _eager, "peak", 0.7),
     ("torch.func.vjp", _vjp, "after forward", 0.6),
     ("torch.func.grad", _grad, "peak", 0.75),
     ("vmap(grad) per-sample", _vmap_grad, "peak", 0.75),
@@ -98,6 +98,55 @@ def test_live_bytes_claim(setup, how, run, what, at_most):
     rem, gr = run(ws, x, remat(block))
     assert rem[what] <= at_most * plain[what], (how, what, rem[what], plain[what])
     torch.testing.assert_close(gr, gp)
+
+
+@pytest.mark.parametrize("run", [_eager, _vjp], ids=["eager", "torch.func.vjp"])
+def test_after_forward_a_region_keeps_exactly_its_inputs(setup, run):
+    """SPEC: with the default policy a region keeps its inputs and nothing else
+    (here each block's input, 1 MiB; plain autograd also keeps tanh's output)."""
+    ws, x = setup
+    rem, _ = run(ws, x, remat(block))
+    plain, _ = run(ws, x, block)
+    assert rem["after forward"] == BLOCKS * x.nbytes
+    assert plain["after forward"] == 2 * BLOCKS * x.nbytes
+
+
+def _exp_region(x):
+    return torch.exp(x @ x.t()).sum()
+
+
+@pytest.mark.parametrize("gc_enabled", [True, False])
+@pytest.mark.parametrize("how", ["eager", "torch.func.vjp"])
+def test_output_dropped_without_backward_leaks_nothing(how, gc_enabled):
+    """Issue 21: ``remat(lambda x: exp(x @ x.t()).sum(), policy=[aten.exp])(x)`` four
+    times with the result dropped left 8 tensors of 256x256 alive: the kept exp
+    output, held by its own graph node through a saved-tensor hook, formed a
+    reference cycle (node -> packed value -> tensor -> node)."""
+    import gc
+
+    x = torch.randn(256, 256, requires_grad=True)
+    f = remat(_exp_region, policy=[torch.ops.aten.exp.default])
+    was = gc.isenabled()
+    if not gc_enabled:
+        gc.disable()
+    try:
+        with LiveBytes() as m:
+            for _ in range(4):
+                if how == "eager":
+                    out = f(x)
+                    kept = m.live
+                    del out
+                else:
+                    out, fn = vjp(f, x)
+                    kept = m.live
+                    del out, fn
+            if gc_enabled:
+                gc.collect()
+            assert kept == x.nbytes + 4  # the exp output (and the scalar sum), while the graph lived
+            assert m.live == 0
+    finally:
+        if was:
+            gc.enable()
 
 
 def test_grad_of_grad_keeps_graph_and_is_exact(setup):
