@@ -217,3 +217,24 @@ def test_policies_page_printed_residuals_are_real(tmp_path, monkeypatch):
                                                    "docs/policies.md", 0)
         result = runner.run(test, out=lambda s: pytest.fail("docs/policies.md shows an output the code does not print:\n" + s))
         assert result.attempted >= 3 and result.failed == 0
+
+
+def test_recipes_functional_loop_dropout_follows_eval():
+    """The functional-training recipe's ``net.eval()`` turns its key-based dropout
+    off (``rnd.dropout`` defaults to ``training=True``), and ``train()`` back on.
+    Runs the recipe alone: no transformers needed."""
+    (code,) = [b for b in blocks("docs/recipes.md") if "class Net" in b and "net.eval()" in b]
+    ns: dict = {"__name__": "__docs__"}
+    exec(compile(SETUP + code, "docs/recipes.md[functional loop]", "exec"), ns)
+    torch, rnd, net, params, x = ns["torch"], ns["rnd"], ns["net"], ns["params"], ns["x"]
+    call = ns["functional_call"]
+    assert net.training
+    with torch.no_grad():
+        assert not torch.equal(call(net, params, (x, rnd.key(1))), call(net, params, (x, rnd.key(2))))
+        net.eval()
+        out = call(net, params, (x, rnd.key(1)))
+        assert torch.equal(out, call(net, params, (x, rnd.key(2))))
+        net.load_state_dict(params)
+        for b in net.blocks:  # no dropout at all: the plain residual MLP
+            x = x + b.fc2(torch.relu(b.fc1(x)))
+        torch.testing.assert_close(out, x)
