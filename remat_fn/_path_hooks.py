@@ -226,7 +226,11 @@ class _Frame:
         recomputed = self.recomputed
         last = needed[-1]
         early = target is not None or not self.strict
-        inner = self.inner_backward
+        # The recomputation's own graph is differentiated when a backward runs
+        # inside the region, or when the backward that unpacks builds a graph
+        # (create_graph=True: grad mode is on in the engine): then what it saves
+        # must be kept; otherwise nothing is, so unneeded tensors are freed at once.
+        inner = self.inner_backward or torch.is_grad_enabled()
         meta = self.meta
         counter = [0]
         arg_ids: set[int] | None = None
@@ -266,9 +270,9 @@ class _Frame:
                 recomputed[i] = t
             if i == last and early:
                 raise _StopRecompute
-            # A backward inside the region unpacks during the recomputation too;
-            # otherwise hold nothing, so unneeded tensors are freed at once.
-            return t if inner else None
+            # (detached: a node holding its own output through the hook would be
+            # a reference cycle that outlives the graph)
+            return t.detach() if inner else None
 
         def runpack(t):
             if t is None:  # pragma: no cover - inner is set whenever this can happen
