@@ -15,6 +15,7 @@ is ever silently dropped.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._debug import CallTrace
 from ._describe import describe
 from ._errors import mutated_input
-from ._functorch import is_wrapped, needs_grad, storage_ptr, unwrap_one
+from ._functorch import carries_grad, is_wrapped, needs_grad, storage_ptr, unwrap_one
 from ._region import region_depth
 
 __all__ = ["CaptureMode", "MissedCapture"]
@@ -49,11 +50,25 @@ class CaptureMode(TorchFunctionMode):
         trace: the region's :class:`CallTrace`: recorded in the forward,
             checked during a recomputation.
         name: the region's name, for error messages.
+        inputs: the region's input tensors as the function receives them: an
+            in-place op on one of them, or on a view of one, is refused before
+            it writes (recomputing would apply it twice).
+        grab: ``{call index: tensor positions}`` of a recomputation: the
+            tensors those calls produce are collected in :attr:`grabbed` (the
+            values that left the forward by a side channel, see
+            :meth:`escaped`).
+
+    In the forward (``known`` given) every tensor a call produces that
+    requires grad is remembered by weak reference and call index, so that
+    after the function returned :meth:`escaped` tells which of them are still
+    alive outside the region: stored in a list, a module attribute or a hook's
+    collection (Hugging Face records attentions that way).
     """
 
     def __init__(self, subst: dict[int, torch.Tensor], known: set[int] | None,
                  trace: CallTrace | None = None, name: str = "fn",
-                 produced: set[int] | None = None):
+                 produced: set[int] | None = None, inputs: list[torch.Tensor] = (),
+                 grab: dict[int, list[int]] | None = None):
         super().__init__()
         # Storages of the tensors the region's own aten ops made (recorded, on a
         # retry, by a dispatch mode below every functorch level): a tensor whose
@@ -68,6 +83,11 @@ class CaptureMode(TorchFunctionMode):
         self.depth = region_depth()
         # the region's inputs (and their replacements), which it must not modify
         self.inputs = frozenset(known) | {id(r) for r in subst.values()} if known is not None else None
+        self.input_storages = {p for t in (*inputs, *subst.values()) if (p := storage_ptr(t)) is not None}
+        self.calls = 0  # torch calls of this region (not of nested regions), in order
+        self.made: list[tuple[int, int, weakref.ref]] | None = [] if known is not None else None
+        self.grab = grab
+        self.grabbed: dict[tuple[int, int], torch.Tensor] = {}
 
     def _fix(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -128,17 +148,56 @@ class CaptureMode(TorchFunctionMode):
             for o in out:
                 self._note(o)
 
+    def escaped(self, outs) -> list[tuple[tuple[int, int], torch.Tensor]]:
+        """The tensors the forward made that require grad, are not among ``outs``
+        and are still alive: they left the region by a side channel.  Returns
+        ``((call index, position), tensor)`` pairs and forgets the weak refs
+        (a tensor with weak references cannot be swapped, see
+        :func:`torch.utils.swap_tensors`)."""
+        made, self.made = self.made or [], None
+        out_ids = {id(o) for o in outs}
+        found = []
+        for call, pos, ref in made:
+            t = ref()
+            if t is not None and id(t) not in out_ids and carries_grad(t):
+                out_ids.add(id(t))
+                found.append(((call, pos), t))
+        del made
+        return found
+
+    def _made_tensors(self, out, args) -> list[tuple[int, torch.Tensor]]:
+        if isinstance(out, torch.Tensor):
+            leaves = [out]
+        elif isinstance(out, (tuple, list)):
+            leaves = [o for o in out if isinstance(o, torch.Tensor)]
+        else:
+            return []
+        arg_ids = {id(a) for a in args if isinstance(a, torch.Tensor)}
+        return [(i, t) for i, t in enumerate(leaves) if id(t) not in arg_ids]
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         args = self._fix(args)
         kwargs = self._fix(kwargs) if kwargs else {}
-        inputs = self.inputs
-        if inputs is not None and args and id(args[0]) in inputs and _in_place(func):
-            raise mutated_input(self.name, args[0])
+        if args and _in_place(func) and isinstance(a0 := args[0], torch.Tensor):
+            inputs = self.inputs
+            if ((inputs is not None and id(a0) in inputs)
+                    or (self.input_storages and storage_ptr(a0) in self.input_storages)):
+                raise mutated_input(self.name, a0)
         out = func(*args, **kwargs)
         if self.known is not None:
             self._note(out)
-        if self.trace is not None and region_depth() == self.depth:
-            self.trace.step(func, out, self.known is None, self.name)
+        if region_depth() == self.depth:
+            call = self.calls
+            self.calls = call + 1
+            if self.made is not None:
+                self.made.extend((call, i, weakref.ref(t)) for i, t in self._made_tensors(out, args)
+                                 if carries_grad(t))
+            elif self.grab is not None and call in self.grab:
+                made = dict(self._made_tensors(out, args))
+                for i in self.grab[call]:
+                    self.grabbed[(call, i)] = made[i]
+            if self.trace is not None:
+                self.trace.step(func, out, self.known is None, self.name)
         return out
 
 

@@ -17,7 +17,7 @@ __all__ = [
     "C", "transforms_active", "transform_stack", "transform_kinds", "is_wrapped", "unwrap_one",
     "unwrap_all",
     "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead",
-    "forward_mode_active", "nested_forward_mode",
+    "forward_mode_active", "nested_forward_mode", "carries_grad",
 ]
 
 C = torch._C._functorch  # the C++ functorch bindings
@@ -60,6 +60,7 @@ def needs_grad(t: torch.Tensor) -> bool:
     """True if some autograd level (functorch or eager) may want ``t``'s gradient."""
     if not (t.is_floating_point() or t.is_complex()):
         return False
+    t = C.unwrap_if_dead(t)  # left over from a transform that has exited
     if t.requires_grad:
         return True
     while C.is_functorch_wrapped_tensor(t):
@@ -111,3 +112,14 @@ def nested_forward_mode() -> bool:
     memory saving); forward mode keeps no residuals, so little is lost.
     """
     return sum(1 for i in transform_stack() if i.key() == _JVP) >= 2
+
+
+def carries_grad(t: torch.Tensor) -> bool:
+    """True if ``t`` carries a gradient, as ``requires_grad`` tells in plain code.
+
+    Under a functorch grad level the wrapper of a view made under
+    ``torch.no_grad()`` reports ``requires_grad=True`` although it has no
+    history (in plain code such a view does not require grad): a view without
+    a ``grad_fn`` carries none.
+    """
+    return t.requires_grad and (t.grad_fn is not None or not t._is_view())

@@ -26,8 +26,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
+import types
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
+import optree
 import torch
 
 from ._autocast import AutocastState
@@ -37,7 +41,7 @@ from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
 from ._describe import describe, describe_meta
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
-from ._functorch import grad_wrappers, is_grad_kind, is_wrapped, live_levels, needs_grad, storage_ptr, unwrap_all, unwrap_if_dead
+from ._functorch import carries_grad, grad_wrappers, is_grad_kind, is_wrapped, live_levels, needs_grad, storage_ptr, unwrap_all, unwrap_if_dead
 from ._profile import active, storage_bytes
 from ._record import Record, saving
 from ._region import RegionCall
@@ -46,6 +50,13 @@ from ._rng_state import RNGSnapshot
 __all__ = ["run_torch_func"]
 
 _NULL = contextlib.nullcontext()
+_A = torch._C._autograd
+hooks_on = _A._saved_tensors_hooks_is_enabled
+hooks_off_message = _A._saved_tensors_hooks_get_disabled_error_message
+enable_hooks = _A._saved_tensors_hooks_enable
+disable_hooks = _A._saved_tensors_hooks_disable
+push_hooks = _A._push_saved_tensors_default_hooks
+pop_hooks = _A._pop_saved_tensors_default_hooks
 # Each retry threads one more tensor closed over; real functions close over a
 # bounded number of them, so a long run of retries means a bug, not a model.
 _MAX_RETRIES = 256
@@ -57,11 +68,22 @@ class _RegionState:
 
     __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "reach",
                  "fwd_hits", "rec", "needs", "trace", "views", "autocast", "produced", "prof",
-                 "plain_bytes")
+                 "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure")
 
-    def __init__(self, run, n_in, captured, name, debug, reach: Reachable):
+    def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
-        self.n_in = n_in
+        self.n_in = n_in  # distinct input tensors (the same tensor passed twice is one input)
+        self.expand = expand  # argument position -> index among the distinct inputs
+        self.grad_mode = torch.is_grad_enabled()  # what the function sees, as in plain code
+        # side outputs: {call index: positions} of the forward's tensors that left
+        # the region by a side channel, and the objects the caller holds (until
+        # they are swapped for the Function's outputs)
+        self.escapes: dict[int, list[int]] = {}
+        self.escaped: list = []
+        self.n_out = 0
+        self.diff: list[bool] = []  # which outputs are differentiable (as in plain code)
+        self.keep_graph = False  # the forward's vjp level keeps what autograd saves (see _keep_nothing)
+        self.unsure: list = []  # weak refs to side-output candidates autograd also held
         self.captured = captured
         self.rng: RNGSnapshot | None = None
         self.out_meta: list[tuple] | None = None
@@ -92,15 +114,27 @@ class _RegionState:
         recompute = known is None
         if recompute:
             self.trace.rewind()
-        mode = CaptureMode(subst, known, self.trace, self.name, None if recompute else self.produced)
+        args = [tensors[k] for k in self.expand]  # the same object where the caller passed one twice
+        mode = CaptureMode(subst, known, self.trace, self.name, None if recompute else self.produced,
+                           inputs=() if recompute else tensors[:n],
+                           grab=self.escapes if recompute else None)
         with mode:
-            outs, rebuild = self.run(list(tensors[:n]))
-        # A captured tensor returned as is never went through an op.
-        out = (tuple(mode._fix(o) for o in outs), rebuild)
+            outs, rebuild = self.run(args)
+            # A captured tensor returned as is never went through an op.
+            outs = tuple(mode._fix(o) for o in outs)
         if not recompute:
             self.fwd_hits = mode.hits
-            return out
+            self.escaped = mode.escaped(outs)
+            return outs, rebuild
         self.trace.finish(self.name)
+        if mode.grabbed.keys() != {(c, i) for c, ii in self.escapes.items() for i in ii}:
+            raise RecomputeMismatchError(
+                f"Recomputing remat({self.name}) did not produce the tensors that left the forward "
+                "by a side channel (appended to a list, recorded by a hook). The function must run "
+                "the same torch calls in both runs: make control flow depend only on its arguments."
+            )
+        outs = outs + tuple(mode.grabbed[(c, i)] for c, ii in self.escapes.items() for i in ii)
+        out = (outs, rebuild)
         if not self.fwd_hits <= mode.hits:
             lost = [o for o in self.captured if id(o) in self.fwd_hits - mode.hits]
             raise RematError(
@@ -111,6 +145,65 @@ class _RegionState:
                 "argument instead of reaching it through an attribute."
             )
         return out
+
+
+class _NeedsGraph(Exception):
+    """Internal: the function calls a torch.func transform, which refuses the
+    saved-tensor hooks of :func:`_keep_nothing`; the forward runs again without."""
+
+
+def _discard(_t):
+    return None
+
+
+def _never(_p):  # pragma: no cover - the forward's level is never differentiated
+    raise RematError("internal: remat's forward graph was differentiated")
+
+
+@contextlib.contextmanager
+def _keep_nothing(name: str):
+    """Saved-tensor hooks that keep nothing, for the forward's vjp level.
+
+    That level only tells what plain code would see (requires_grad, grad mode,
+    side outputs); it is never differentiated, so what autograd would save
+    there is dropped at once and the forward keeps no more memory than a
+    forward without grad.  torch switches saved-tensor hooks off under its
+    grad levels; they are switched on for the region's own ops only.
+    """
+    was = hooks_on()
+    msg = hooks_off_message() if not was else None
+    if not was:
+        enable_hooks()
+    push_hooks(_discard, _never)
+    try:
+        yield
+    except RuntimeError as e:
+        if "don't yet support saved tensor hooks" in str(e):
+            raise _NeedsGraph() from None
+        raise
+    finally:
+        pop_hooks()
+        if not was:
+            disable_hooks(msg)
+
+
+@contextlib.contextmanager
+def _random_in_vmap(name: str):
+    """A recomputation that draws from the global generator inside a ``vmap``
+    whose randomness mode is "error" (``jacrev``, a vmapped ``vjp_fn``): the
+    plain function drew in the forward, outside the vmap; say what to do."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "randomness error mode" not in str(e):
+            raise
+        raise RematError(
+            f"remat({name}) draws random numbers from torch's global generator and its "
+            "recomputation runs inside a vmap whose randomness mode is 'error' (jacrev, or a "
+            "vmapped vjp_fn), where torch forbids such draws. Fix: draw with explicit keys "
+            "(remat_fn.random.dropout(key, x, p), remat_fn.random.normal(key, ...)), which "
+            "recompute without any generator, or use jacfwd(..., randomness='same'/'different')."
+        ) from None
 
 
 def _is_diff(t: torch.Tensor) -> bool:
@@ -127,42 +220,78 @@ class _RematFunction(torch.autograd.Function):
     @staticmethod
     def forward(spec: _RegionState, *tensors: torch.Tensor):
         known = {id(t) for t in tensors}
-        wrt = [i for i, n in enumerate(spec.needs) if n] if spec.needs else []
+        wrt = [i for i, n in enumerate(spec.needs) if n]
         if wrt:
-            # With a policy (or while profiling, to see what autograd would save),
-            # run the forward the way backward will recompute it
-            # (under a vjp level), so that ops whose decomposition depends on
-            # requires_grad (matmul folding, linear on 3-D inputs, ...) appear in
-            # the same order and the kept outputs can be replayed.
-            # vjp differentiates floating outputs only: integer and boolean
-            # outputs travel as its auxiliary output.
+            # The forward runs under a vjp level over the inputs that need a
+            # gradient, so the function sees what plain code sees (grad mode on,
+            # requires_grad), its outputs tell which are differentiable (a
+            # detached or no_grad view is not), tensors that leave by a side
+            # channel are found, and ops whose decomposition depends on
+            # requires_grad run as they will in the recomputation (so a policy's
+            # kept outputs can be replayed).  Without a policy the level's graph
+            # keeps nothing (see _keep_nothing).  vjp differentiates floating
+            # outputs only: the others travel as its auxiliary output.
             box = []
+
+            keep = spec.keep_graph or spec.rec is not None or spec.prof is not None
 
             def f(*diff):
                 known.update(id(t) for t in diff)
-                o, rb = spec.call(_replace(tensors, wrt, diff), known)
-                mask = [_is_diff(t) for t in o]
-                box.append((rb, mask, _saved_storages(o)))
-                return (tuple(t for t, d in zip(o, mask) if d),
+                with _NULL if keep else _keep_nothing(spec.name):
+                    o, rb = spec.call(_replace(tensors, wrt, diff), known)
+                # side outputs: candidates now (a tensor the graph saved is alive
+                # too), confirmed once the level's graph is gone (below)
+                pos = [p for p, _ in spec.escaped]
+                refs = [weakref.ref(t) for _, t in spec.escaped]
+                spec.escaped = []
+                o = o + tuple(r() for r in refs)
+                mask = [_is_diff(t) and carries_grad(t) for t in o]
+                box.append((rb, mask, _saved_storages(o) if spec.rec is not None or spec.prof is not None else {},
+                            pos, refs))
+                # vjp wants one output at least: a constant stands in (never read)
+                return (tuple(t for t, d in zip(o, mask) if d) or (torch.zeros(()),),
                         tuple(t for t, d in zip(o, mask) if not d))
 
             with saving(spec.rec, recompute=False):
-                douts, _, aux = torch.func.vjp(f, *[tensors[i] for i in wrt], has_aux=True)
-            rebuild, mask, saved = box[-1]
+                douts, vjp_fn, aux = torch.func.vjp(f, *[tensors[i] for i in wrt], has_aux=True)
+            del vjp_fn  # the level's graph: what it saved dies here
+            rebuild, mask, saved, pos, refs = box.pop()
             diff, other = iter(douts), iter(aux)
             outs = tuple(next(diff) if d else next(other) for d in mask)
+            del douts, aux, diff, other
+            n = len(outs) - len(refs)
+            # A candidate held by nothing but Python is a side output.  One that
+            # autograd also holds (``_use_count() > 1``) may only be saved by
+            # another side output's history (it dies with that history, after
+            # the swap); one still alive then was missed: see _connect_side_outputs.
+            alive = [r() for r in refs]
+            side = [k for k, t in enumerate(alive) if t is not None and t._use_count() == 1]
+            spec.unsure = [refs[k] for k, t in enumerate(alive) if t is not None and k not in side]
+            del refs  # a tensor with weak references cannot be swapped
+            spec.escaped = [alive[k] for k in side]  # the caller's objects, swapped after apply
+            spec.escapes = {}
+            for k in side:
+                c, i = pos[k]
+                spec.escapes.setdefault(c, []).append(i)
+            del alive
+            outs = outs[:n] + tuple(outs[n + k] for k in side)
+            mask = mask[:n] + [mask[n + k] for k in side]
             spec.plain_bytes = sum(saved.values())
             if spec.rec is not None:
                 # keep no more than autograd saves (see Record.prune), and the
                 # region's outputs: alive anyway (usually the next region's input),
                 # and this path always recomputes up to them
-                keep = set(saved) | {p for o in outs if (p := storage_ptr(o)) is not None}
-                spec.rec.prune(keep)
+                keep_ptrs = set(saved) | {p for o in outs if (p := storage_ptr(o)) is not None}
+                spec.rec.prune(keep_ptrs)
                 if isinstance(spec.rec.policy, Measuring):  # memory_budget's first call
                     spec.rec.policy.finish(saved)
         else:
-            with saving(spec.rec, recompute=False):
+            mask = None
+            with saving(spec.rec, recompute=False), torch.set_grad_enabled(spec.grad_mode):
                 outs, rebuild = spec.call(tensors, known)
+            spec.escaped = []
+        spec.n_out = len(outs) - len(spec.escaped)
+        spec.diff = [_is_diff(o) for o in outs] if mask is None else mask
         if spec.rec is not None:
             spec.rec.producer = {}
             spec.rec.seal(outs)
@@ -180,10 +309,10 @@ class _RematFunction(torch.autograd.Function):
         ctx.spec = spec
         ctx.save_for_backward(*inputs[1:])
         ctx.save_for_forward(*inputs[1:])
-        nd = [o for o in output if not _is_diff(o)]
+        nd = [o for o, d in zip(output, spec.diff) if not d]
         if nd:
             ctx.mark_non_differentiable(*nd)
-        ctx.out_diff = [_is_diff(o) for o in output]
+        ctx.out_diff = spec.diff
         # Outputs nobody differentiates arrive as None: see backward.
         ctx.set_materialize_grads(False)
 
@@ -209,7 +338,7 @@ class _RematFunction(torch.autograd.Function):
         f = _recompute_fn(spec, tensors, wrt, out_diff)
         with torch.no_grad() if detach else contextlib.nullcontext(), spec.rng or _NULL, spec.autocast:
             start = time.perf_counter()
-            with saving(spec.rec, recompute=True):
+            with saving(spec.rec, recompute=True), _random_in_vmap(spec.name):
                 _, vjp_fn = torch.func.vjp(f, *[tensors[i] for i in wrt])
             if spec.prof is not None:
                 spec.prof.record_recompute(spec.name, time.perf_counter() - start)
@@ -224,6 +353,8 @@ class _RematFunction(torch.autograd.Function):
         tensors = _saved(ctx, spec)
         wrt = [i for i, (t, tt) in enumerate(zip(tensors, tangents)) if tt is not None and _is_diff(t)]
         out_diff = ctx.out_diff
+        if not any(out_diff):  # no output depends on the inputs differentiably
+            return (None,) * len(out_diff)
 
         f = _recompute_fn(spec, tensors, wrt, out_diff)
         with spec.rng or _NULL, spec.autocast:  # forward mode: recompute everything
@@ -392,11 +523,79 @@ def _can_drop_graph(saved, grads) -> bool:
     return all(lv == this for lv in alive)
 
 
-def run_torch_func(call: RegionCall):
+def _distinct(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """The distinct tensors among ``tensors`` (by identity) and, per position,
+    its index among them: a tensor passed twice is one input of the Function,
+    so the function sees ``a is b`` as plain code does."""
+    index: dict[int, int] = {}
+    distinct: list[torch.Tensor] = []
+    expand = []
+    for t in tensors:
+        k = index.get(id(t))
+        if k is None:
+            k = index[id(t)] = len(distinct)
+            distinct.append(t)
+        expand.append(k)
+    return distinct, expand
+
+
+def _connect_side_outputs(spec: _RegionState, side) -> None:
+    """Make the tensors that left the forward by a side channel the Function's
+    outputs, in place: the caller's objects (in a list, an attribute, a hook's
+    collection) take the content of the outputs, so their gradient flows."""
+    held, spec.escaped = spec.escaped, []
+    for t, o in zip(held, side):
+        try:
+            torch.utils.swap_tensors(t, o)
+        except RuntimeError as e:
+            raise _side_output_error(spec, t, str(e)) from None
+
+
+def _check_unsure(spec: _RegionState) -> None:
+    unsure, spec.unsure = spec.unsure, []
+    for r in unsure:
+        t = r()
+        if t is not None:
+            raise _side_output_error(spec, t, "autograd holds it too")
+
+
+def _side_output_error(spec: _RegionState, t: torch.Tensor, why: str) -> RematError:
+    return RematError(
+        f"remat({spec.name}): the tensor {describe(t)} made inside the region left it by a side "
+        "channel (stored in a list or an attribute, or recorded by a hook) and cannot be "
+        f"connected to the gradient under torch.func ({why}). Fix: return it from the function "
+        "as an output."
+    )
+
+
+def _check_lazy_outputs(spec: _RegionState, result) -> None:
+    """Refuse outputs that compute with the region's tensors later (a closure, a
+    generator): under torch.func they would see the forward's untracked tensors
+    and silently give no gradient."""
+    for leaf in optree.tree_leaves(result, none_is_leaf=True):
+        if isinstance(leaf, (torch.Tensor, str, bytes, int, float, bool, type(None))):
+            continue
+        if isinstance(leaf, (types.GeneratorType, Iterator)):
+            what = "a generator or iterator"
+        elif callable(leaf) and not isinstance(leaf, (type, torch.nn.Module)) and reachable_tensors(leaf).tensors:
+            what = "a function holding tensors"
+        else:
+            continue
+        raise RematError(
+            f"remat({spec.name}) returned {what} ({type(leaf).__name__}) that computes with the "
+            "region's tensors later; under torch.func those tensors are not tracked, so its "
+            "results would get no gradient. Fix: compute the values inside the function and "
+            "return the tensors (e.g. return list(gen) or fn())."
+        )
+
+
+def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     """Run the region as a custom ``autograd.Function`` (under ``torch.func``, or
-    wherever saved-tensor hooks cannot be used); returns its output pytree."""
+    wherever saved-tensor hooks cannot be used); returns its output pytree.
+    ``calls_torch_func``: the function is known to call a ``torch.func``
+    transform itself (see :func:`_keep_nothing`)."""
     call.check_static()
-    inputs = call.inputs
+    inputs, expand = _distinct(call.inputs)
     name, debug = call.name, call.debug
     reach = reachable_tensors(call.reach_roots())
     captured = reach.captured({id(t) for t in inputs})
@@ -408,6 +607,8 @@ def run_torch_func(call: RegionCall):
     produced = None  # storages made inside the region (recorded on retries only)
     prof = active()
     start = time.perf_counter() if prof is not None else 0.0
+    grad_mode = torch.is_grad_enabled()
+    keep_graph = calls_torch_func
     for attempt in range(_MAX_RETRIES + 1):
         if attempt == _MAX_RETRIES:
             raise RematError(
@@ -416,15 +617,23 @@ def run_torch_func(call: RegionCall):
                 f"was {describe(captured[-1])}). Fix: pass the tensors the function differentiates "
                 "as explicit arguments."
             )
-        spec = _RegionState(call.run, len(inputs), captured, name, debug, reach)
+        spec = _RegionState(call.run, len(inputs), captured, name, debug, reach, expand)
         spec.produced = produced
+        spec.keep_graph = keep_graph
         if policy is not None:
             spec.rec = Record(policy)
-        if policy is not None or prof is not None:
-            spec.needs = [needs_grad(t) and _is_diff(t) for t in (*inputs, *captured)]
+        spec.needs = [grad_mode and needs_grad(t) and _is_diff(t) for t in (*inputs, *captured)]
         spec.prof = prof
+        # forward mode runs the Function's jvp inside apply: it replays the
+        # forward's random draws from the snapshot taken before them
+        spec.rng = snap
         try:
             outs = _RematFunction.apply(spec, *inputs, *captured)
+        except _NeedsGraph:
+            if snap is not None:
+                snap.restore_now()
+            keep_graph = True
+            continue
         except MissedCapture as e:
             if snap is not None:
                 snap.restore_now()
@@ -444,17 +653,27 @@ def run_torch_func(call: RegionCall):
             produced = set()
             continue
         break
-    if snap is not None and snap.finish():
-        spec.rng = snap
+    spec.rng = snap if snap is not None and snap.finish() else None
     reach.record_versions(inputs)
     if prof is not None:
         kept = [*inputs, *captured]
         if spec.rec is not None:
             kept += [t for _, _, t, _, _ in spec.rec.kept()]
         prof.record_call(name, time.perf_counter() - start, storage_bytes(kept), spec.plain_bytes)
+    n = spec.n_out
+    outs, side = list(outs[:n]), outs[n:]
+    if side:
+        _connect_side_outputs(spec, side)
+    del side  # the forward's side tensors (now in these objects) die here, with their history
+    if spec.unsure:
+        _check_unsure(spec)
     if spec.views:
         every = (*inputs, *captured)
-        outs = list(outs)
         for i, (j, size, stride, offset) in spec.views.items():
-            outs[i] = every[j].as_strided(size, stride, offset)
-    return spec.out_box[-1](outs)
+            if i < n:
+                base = every[j] if spec.diff[i] else every[j].detach()
+                outs[i] = base.as_strided(size, stride, offset)
+    result = spec.out_box[-1](outs)
+    if any(spec.needs):
+        _check_lazy_outputs(spec, result)
+    return result

@@ -206,7 +206,7 @@ def run_region(call: RegionCall) -> Any:
             return _under(outer, run_with_hooks, call)
         except NeedsTorchFuncPath:
             # fun calls torch.func.grad/vjp/...: the autograd.Function path needs no hooks
-            return run_torch_func(call)
+            return run_torch_func(call, calls_torch_func=True)
 
 
 def _under(hooks, fn, *args, **kwargs):

@@ -1,0 +1,359 @@
+"""Under torch.func a region behaves exactly as the plain function (issue: no silent
+wrong result, no false refusal).  Each case compares ``remat`` with the plain
+function, and with torch's checkpoint where that runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.func import functional_call, grad, jacfwd, jacrev, jvp, vjp, vmap
+
+import remat_fn.compat
+from remat_fn import RematError, remat
+from remat_fn.policies import dots_saveable, everything_saveable, nothing_saveable
+
+from ._util import assert_tree_close
+
+torch.manual_seed(0)
+X = torch.randn(4, 3, dtype=torch.float64)
+W = torch.randn(3, 3, dtype=torch.float64)
+POLICIES = [None, dots_saveable]
+
+
+def _side_channel_loss(wrap, w, side):
+    def f(x, w):
+        h = torch.tanh(x @ w)
+        side.append(h)
+        return h.sum()
+
+    side.clear()
+    return wrap(f)(X, w) + side[0].pow(2).sum()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_side_channel_append_gets_its_gradient_under_grad(policy):
+    side: list = []
+    got = grad(lambda w: _side_channel_loss(lambda f: remat(f, policy=policy), w, side))(W)
+    want = grad(lambda w: _side_channel_loss(lambda f: f, w, side))(W)
+    torch.testing.assert_close(got, want)
+    # per-sample gradients through the side channel as well
+    ws = W.expand(2, 3, 3).clone()
+    got = vmap(grad(lambda w: _side_channel_loss(lambda f: remat(f, policy=policy), w, side)))(ws)
+    want = vmap(grad(lambda w: _side_channel_loss(lambda f: f, w, side)))(ws)
+    torch.testing.assert_close(got, want)
+
+
+def test_side_channel_forward_hook_gets_its_gradient_under_grad():
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3).double()
+    seen: list = []
+    lin.register_forward_hook(lambda m, i, o: seen.append(o))
+    params = dict(lin.named_parameters())
+
+    def loss(p, wrap):
+        seen.clear()
+        out = wrap(lambda h: functional_call(lin, p, (h,)).tanh().sum())(X)
+        return out + seen[0].pow(2).sum()
+
+    assert_tree_close(grad(loss)(params, remat), grad(loss)(params, lambda f: f))
+
+
+def test_side_channel_eager_matches_plain_and_torch_checkpoint():
+    side: list = []
+    res = []
+    for wrap in (remat, lambda f: (lambda *a: torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False)), lambda f: f):
+        w = W.clone().requires_grad_()
+        _side_channel_loss(wrap, w, side).backward()
+        res.append(w.grad)
+    torch.testing.assert_close(res[0], res[2])
+    torch.testing.assert_close(res[1], res[2])
+
+
+@pytest.mark.parametrize("make", [lambda x: (lambda: x.sin()), lambda x: (t.sin() for t in [x])],
+                         ids=["closure", "generator"])
+def test_outputs_that_are_closures_or_generators_are_refused_under_grad(make):
+    with pytest.raises(RematError, match="return the tensors"):
+        grad(lambda x: sum(t.sum() for t in [remat(make)(x)]) if False else _consume(remat(make)(x)))(X)
+
+
+def _consume(out):
+    return (out() if callable(out) else sum(t.sum() for t in out))
+
+
+def test_outputs_that_are_closures_work_in_eager():
+    x = X.clone().requires_grad_()
+    remat(lambda x: (lambda: x.sin()))(x)().sum().backward()
+    torch.testing.assert_close(x.grad, X.cos())
+
+
+def _detached(x):
+    return x.sin(), x.detach()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_detached_view_of_an_input_returned_gets_no_gradient(policy):
+    loss = lambda f: lambda x: (lambda o: o[0].sum() + 3 * o[1].sum())(f(x))
+    got = grad(loss(remat(_detached, policy=policy)))(X)
+    torch.testing.assert_close(got, grad(loss(_detached))(X))
+    torch.testing.assert_close(got, X.cos())
+
+
+def test_detached_view_returned_on_the_eager_autograd_function_path():
+    # saved-tensor hooks switched off: the eager call takes the autograd.Function path
+    x = X.clone().requires_grad_()
+    with torch.autograd.graph.disable_saved_tensors_hooks("off for this test"):
+        o = remat(_detached)(x)
+        assert not o[1].requires_grad
+        (o[0].sum() + 3 * o[1].sum()).backward()
+    torch.testing.assert_close(x.grad, X.cos())
+
+
+def _same_tensor_twice(a, b):
+    return (a * (2.0 if a is b else 3.0)).sin() + b
+
+
+@pytest.mark.parametrize("policy", [None, dots_saveable, everything_saveable, [torch.ops.aten.sin.default]])
+def test_same_tensor_passed_twice_keeps_its_identity(policy):
+    f = remat(_same_tensor_twice, policy=policy)
+    torch.testing.assert_close(grad(lambda x: f(x, x).sum())(X), grad(lambda x: _same_tensor_twice(x, x).sum())(X))
+    out, fn = vjp(lambda x: f(x, x), X)
+    torch.testing.assert_close(out, _same_tensor_twice(X, X))
+    torch.testing.assert_close(fn(torch.ones_like(X))[0], vjp(lambda x: _same_tensor_twice(x, x), X)[1](torch.ones_like(X))[0])
+    # two different tensors still see `a is not b`
+    y = X + 1
+    torch.testing.assert_close(vjp(lambda x: f(x, y), X)[0], _same_tensor_twice(X, y))
+
+
+def test_multihead_self_attention_query_is_key_under_functional_call_grad():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    q = torch.randn(2, 5, 8)
+    params = dict(mha.named_parameters())
+
+    def loss(p, wrap):
+        return wrap(lambda p, q: functional_call(mha, p, (q, q, q))[0])(p, q).pow(2).sum()
+
+    assert_tree_close(grad(loss)(params, remat), grad(loss)(params, lambda f: f), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["grad", "vmap", "eager-no-hooks", "no_grad+vmap"])
+def test_grad_mode_inside_the_region_is_the_plain_one(where):
+    def run(wrap):
+        seen = []
+
+        def f(x):
+            seen.append(torch.is_grad_enabled())
+            return x.sin()
+
+        g = wrap(f)
+        if where == "grad":
+            grad(lambda x: g(x).sum())(X)
+        elif where == "vmap":
+            vmap(g)(X)
+        elif where == "no_grad+vmap":
+            with torch.no_grad():
+                vmap(g)(X)
+        else:
+            with torch.autograd.graph.disable_saved_tensors_hooks("off for this test"):
+                g(X.clone().requires_grad_()).sum().backward()
+        return seen[0]
+
+    assert run(remat) == run(lambda f: f)
+
+
+def _dropout_region(x):
+    return F.dropout(x.tanh(), 0.5) * x.sin()
+
+
+def _seeded(fn):
+    torch.manual_seed(0)
+    out = fn()
+    return out, torch.rand(3)  # what the generator draws next: no extra draw allowed
+
+
+def test_forward_mode_over_dropout_equals_plain():
+    t = torch.ones_like(X)
+    got = _seeded(lambda: jvp(remat(_dropout_region), (X,), (t,)))
+    want = _seeded(lambda: jvp(_dropout_region, (X,), (t,)))
+    assert_tree_close(got, want, rtol=0, atol=0)
+    ck = _seeded(lambda: jvp(lambda x: torch.utils.checkpoint.checkpoint(_dropout_region, x, use_reentrant=False), (X,), (t,)))
+    assert_tree_close(ck, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("randomness", ["same", "different"])
+def test_jacfwd_over_dropout_equals_plain(randomness):
+    got = _seeded(lambda: jacfwd(remat(_dropout_region), randomness=randomness)(X))
+    want = _seeded(lambda: jacfwd(_dropout_region, randomness=randomness)(X))
+    assert_tree_close(got, want, rtol=0, atol=0)
+
+
+def test_jvp_of_grad_over_dropout_draws_no_extra_random_numbers():
+    t = torch.ones_like(X)
+    run = lambda f: _seeded(lambda: jvp(grad(lambda x: f(x).sum()), (X,), (t,)))
+    assert_tree_close(run(remat(_dropout_region)), run(_dropout_region), rtol=0, atol=0)
+
+
+def test_jacrev_over_dropout_raises_a_clear_error():
+    # backward recomputes the dropout inside jacrev's vmap, whose randomness mode
+    # is "error"; the plain function draws in the forward, outside the vmap
+    with pytest.raises(RematError, match="remat_fn.random"):
+        jacrev(remat(_dropout_region))(X)
+
+
+def test_autocast_under_grad_with_a_region_over_functional_call():
+    torch.manual_seed(0)
+    b = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32))
+    x = torch.randn(4, 32)
+    params = dict(b.named_parameters())
+    plain = lambda p, h: functional_call(b, p, (h,))
+
+    def run(fn):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return grad(lambda p: fn(p, x).float().pow(2).mean())(params)
+
+    assert_tree_close(run(remat(plain)), run(plain), rtol=0, atol=0)
+
+
+def _no_grad_view(x):
+    with torch.no_grad():
+        v = x[:2]
+    return x.sin(), v
+
+
+def test_view_made_under_no_grad_returned_from_a_region():
+    loss = lambda f: lambda x: f(x)[0].sum() + f(x)[1].sum()
+    torch.testing.assert_close(grad(loss(remat(_no_grad_view)))(X), grad(loss(_no_grad_view))(X))
+    x = X.clone().requires_grad_()
+    out, plain = remat(_no_grad_view)(x), _no_grad_view(x)
+    assert out[1].requires_grad == plain[1].requires_grad and out[1]._base is x
+
+
+def test_in_place_update_of_a_non_leaf_through_a_view():
+    def f(x):
+        h = x * 1.0
+        h[:2].mul_(2)
+        return h.sin()
+
+    torch.testing.assert_close(grad(lambda x: remat(f)(x).sum())(X), grad(lambda x: f(x).sum())(X))
+
+
+@pytest.mark.parametrize("where", ["grad", "eager"])
+def test_failing_in_place_update_of_an_input_view_writes_nothing(where):
+    def f(x):
+        x[:2].mul_(2)
+        return x.sin()
+
+    x = X.clone()
+    if where == "grad":
+        with pytest.raises(RematError, match="in place"):
+            grad(lambda x: remat(f)(x).sum())(x)
+    else:  # torch itself refuses before writing, as for the plain function
+        with pytest.raises(RuntimeError, match="leaf Variable"):
+            remat(f)(x.requires_grad_())
+    torch.testing.assert_close(x.detach(), X, rtol=0, atol=0)
+
+
+def test_float64_under_grad_a_weight_used_twice_in_two_regions():
+    # docs/transform.md: equal to float64 rounding, not bitwise (the gradient
+    # contributions of a weight are summed in another order)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    w = torch.randn(8, 8, dtype=torch.float64)
+    blk = lambda h, w: torch.tanh(h @ w) @ w
+    loss = lambda b: lambda w: b(b(x, w), w).sum()
+    torch.testing.assert_close(grad(loss(remat(blk)))(w), grad(loss(blk))(w), rtol=1e-13, atol=1e-13)
+    # a weight used once per region is bitwise
+    blk1 = lambda h, w: torch.tanh(h @ w).sin()
+    assert torch.equal(grad(loss(remat(blk1)))(w), grad(loss(blk1))(w))
+
+
+# -- Hugging Face BERT: attentions leave each layer through forward hooks ----------
+transformers = pytest.importorskip("transformers")
+
+
+def test_hf_bert_output_attentions_functional_training_step():
+    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                  intermediate_size=64, vocab_size=64, max_position_embeddings=32,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.BertModel(cfg)
+    ids = torch.randint(0, 64, (2, 12))
+    params = dict(model.named_parameters())
+
+    def loss(p):
+        out = functional_call(model, p, (ids,), {"output_attentions": True})
+        return out.last_hidden_state.pow(2).mean() + sum(a.pow(2).sum() for a in out.attentions)
+
+    want = grad(loss)(params)
+    model._set_gradient_checkpointing(True, gradient_checkpointing_func=remat_fn.compat.checkpoint)
+    model.train()
+    got = grad(loss)(params)
+    assert_tree_close(got, want, rtol=1e-5, atol=1e-6)
+    word = "embeddings.word_embeddings.weight"
+    assert got[word].abs().sum() > 0
+
+
+# -- hypothesis: the patterns the random programs missed ---------------------------
+@settings(max_examples=40, deadline=None)
+@given(twice=st.booleans(), detach_out=st.booleans(), nograd_view=st.booleans(), side=st.booleans(),
+       gradmode_branch=st.booleans(), policy=st.sampled_from([None, "dots", "nothing"]),
+       transform=st.sampled_from(["grad", "vmap_grad", "vjp", "eager"]))
+def test_hypothesis_identity_views_side_outputs_and_grad_mode(twice, detach_out, nograd_view, side,
+                                                               gradmode_branch, policy, transform):
+    pol = {"dots": dots_saveable, "nothing": nothing_saveable}.get(policy)
+    store: list = []
+
+    def f(a, b):
+        h = torch.tanh(a @ W) * (2.0 if a is b else 1.0) + b
+        if gradmode_branch and torch.is_grad_enabled():
+            h = h * 1.5
+        if side:
+            store.append(h.sin())
+        outs = [h.cos()]
+        if detach_out:
+            outs.append(a.detach())
+        if nograd_view:
+            with torch.no_grad():
+                outs.append(b[:1])
+        return outs
+
+    def loss(wrap, x):
+        store.clear()
+        y = x if twice else x * 1.0
+        outs = wrap(f)(x, y)
+        total = sum((i + 1) * o.sum() for i, o in enumerate(outs))
+        return total + (store[0].pow(2).sum() if side else 0.0)
+
+    r = lambda f: remat(f, policy=pol)
+    p = lambda f: f
+    if transform == "grad":
+        got, want = grad(lambda x: loss(r, x))(X), grad(lambda x: loss(p, x))(X)
+    elif transform == "vmap_grad":
+        got, want = vmap(grad(lambda x: loss(r, x)))(X), vmap(grad(lambda x: loss(p, x)))(X)
+    elif transform == "vjp":
+        got = vjp(lambda x: loss(r, x), X)[1](torch.tensor(1.0, dtype=torch.float64))
+        want = vjp(lambda x: loss(p, x), X)[1](torch.tensor(1.0, dtype=torch.float64))
+    else:
+        xs = [X.clone().requires_grad_() for _ in range(2)]
+        loss(r, xs[0]).backward()
+        loss(p, xs[1]).backward()
+        got, want = xs[0].grad, xs[1].grad
+    assert_tree_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@settings(max_examples=15, deadline=None)
+@given(randomness=st.sampled_from(["same", "different"]), p=st.sampled_from([0.2, 0.5]),
+       mode=st.sampled_from(["jvp", "jacfwd", "jvp_grad"]))
+def test_hypothesis_dropout_under_forward_mode(randomness, p, mode):
+    g = lambda x: F.dropout(x.tanh(), p) * x.sin()
+    t = torch.ones_like(X)
+    if mode == "jvp":
+        run = lambda f: _seeded(lambda: jvp(f, (X,), (t,)))
+    elif mode == "jacfwd":
+        run = lambda f: _seeded(lambda: jacfwd(f, randomness=randomness)(X))
+    else:
+        run = lambda f: _seeded(lambda: jvp(grad(lambda x: f(x).sum()), (X,), (t,)))
+    assert_tree_close(run(remat(g)), run(g), rtol=0, atol=0)
