@@ -26,12 +26,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-import types
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
-import optree
 import torch
 
 from ._autocast import AutocastState
@@ -41,6 +38,7 @@ from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
 from ._describe import describe, describe_meta
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
+from ._func_semantics import NeedsGraph, check_lazy_outputs, check_unsure, connect_side_outputs, keep_nothing, random_in_vmap
 from ._functorch import carries_grad, grad_wrappers, is_grad_kind, is_wrapped, live_levels, needs_grad, storage_ptr, unwrap_all, unwrap_if_dead
 from ._profile import active, storage_bytes
 from ._record import Record, saving
@@ -50,13 +48,6 @@ from ._rng_state import RNGSnapshot
 __all__ = ["run_torch_func"]
 
 _NULL = contextlib.nullcontext()
-_A = torch._C._autograd
-hooks_on = _A._saved_tensors_hooks_is_enabled
-hooks_off_message = _A._saved_tensors_hooks_get_disabled_error_message
-enable_hooks = _A._saved_tensors_hooks_enable
-disable_hooks = _A._saved_tensors_hooks_disable
-push_hooks = _A._push_saved_tensors_default_hooks
-pop_hooks = _A._pop_saved_tensors_default_hooks
 # Each retry threads one more tensor closed over; real functions close over a
 # bounded number of them, so a long run of retries means a bug, not a model.
 _MAX_RETRIES = 256
@@ -82,7 +73,7 @@ class _RegionState:
         self.escaped: list = []
         self.n_out = 0
         self.diff: list[bool] = []  # which outputs are differentiable (as in plain code)
-        self.keep_graph = False  # the forward's vjp level keeps what autograd saves (see _keep_nothing)
+        self.keep_graph = False  # the forward's vjp level keeps what autograd saves (see keep_nothing)
         self.unsure: list = []  # weak refs to side-output candidates autograd also held
         self.captured = captured
         self.rng: RNGSnapshot | None = None
@@ -147,65 +138,6 @@ class _RegionState:
         return out
 
 
-class _NeedsGraph(Exception):
-    """Internal: the function calls a torch.func transform, which refuses the
-    saved-tensor hooks of :func:`_keep_nothing`; the forward runs again without."""
-
-
-def _discard(_t):
-    return None
-
-
-def _never(_p):  # pragma: no cover - the forward's level is never differentiated
-    raise RematError("internal: remat's forward graph was differentiated")
-
-
-@contextlib.contextmanager
-def _keep_nothing(name: str):
-    """Saved-tensor hooks that keep nothing, for the forward's vjp level.
-
-    That level only tells what plain code would see (requires_grad, grad mode,
-    side outputs); it is never differentiated, so what autograd would save
-    there is dropped at once and the forward keeps no more memory than a
-    forward without grad.  torch switches saved-tensor hooks off under its
-    grad levels; they are switched on for the region's own ops only.
-    """
-    was = hooks_on()
-    msg = hooks_off_message() if not was else None
-    if not was:
-        enable_hooks()
-    push_hooks(_discard, _never)
-    try:
-        yield
-    except RuntimeError as e:
-        if "don't yet support saved tensor hooks" in str(e):
-            raise _NeedsGraph() from None
-        raise
-    finally:
-        pop_hooks()
-        if not was:
-            disable_hooks(msg)
-
-
-@contextlib.contextmanager
-def _random_in_vmap(name: str):
-    """A recomputation that draws from the global generator inside a ``vmap``
-    whose randomness mode is "error" (``jacrev``, a vmapped ``vjp_fn``): the
-    plain function drew in the forward, outside the vmap; say what to do."""
-    try:
-        yield
-    except RuntimeError as e:
-        if "randomness error mode" not in str(e):
-            raise
-        raise RematError(
-            f"remat({name}) draws random numbers from torch's global generator and its "
-            "recomputation runs inside a vmap whose randomness mode is 'error' (jacrev, or a "
-            "vmapped vjp_fn), where torch forbids such draws. Fix: draw with explicit keys "
-            "(remat_fn.random.dropout(key, x, p), remat_fn.random.normal(key, ...)), which "
-            "recompute without any generator, or use jacfwd(..., randomness='same'/'different')."
-        ) from None
-
-
 def _is_diff(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
@@ -229,7 +161,7 @@ class _RematFunction(torch.autograd.Function):
             # channel are found, and ops whose decomposition depends on
             # requires_grad run as they will in the recomputation (so a policy's
             # kept outputs can be replayed).  Without a policy the level's graph
-            # keeps nothing (see _keep_nothing).  vjp differentiates floating
+            # keeps nothing (see keep_nothing).  vjp differentiates floating
             # outputs only: the others travel as its auxiliary output.
             box = []
 
@@ -237,7 +169,7 @@ class _RematFunction(torch.autograd.Function):
 
             def f(*diff):
                 known.update(id(t) for t in diff)
-                with _NULL if keep else _keep_nothing(spec.name):
+                with _NULL if keep else keep_nothing(spec.name):
                     o, rb = spec.call(_replace(tensors, wrt, diff), known)
                 # side outputs: candidates now (a tensor the graph saved is alive
                 # too), confirmed once the level's graph is gone (below)
@@ -263,7 +195,7 @@ class _RematFunction(torch.autograd.Function):
             # A candidate held by nothing but Python is a side output.  One that
             # autograd also holds (``_use_count() > 1``) may only be saved by
             # another side output's history (it dies with that history, after
-            # the swap); one still alive then was missed: see _connect_side_outputs.
+            # the swap); one still alive then was missed: see connect_side_outputs.
             alive = [r() for r in refs]
             side = [k for k, t in enumerate(alive) if t is not None and t._use_count() == 1]
             spec.unsure = [refs[k] for k, t in enumerate(alive) if t is not None and k not in side]
@@ -338,7 +270,7 @@ class _RematFunction(torch.autograd.Function):
         f = _recompute_fn(spec, tensors, wrt, out_diff)
         with torch.no_grad() if detach else contextlib.nullcontext(), spec.rng or _NULL, spec.autocast:
             start = time.perf_counter()
-            with saving(spec.rec, recompute=True), _random_in_vmap(spec.name):
+            with saving(spec.rec, recompute=True), random_in_vmap(spec.name):
                 _, vjp_fn = torch.func.vjp(f, *[tensors[i] for i in wrt])
             if spec.prof is not None:
                 spec.prof.record_recompute(spec.name, time.perf_counter() - start)
@@ -539,61 +471,11 @@ def _distinct(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int
     return distinct, expand
 
 
-def _connect_side_outputs(spec: _RegionState, side) -> None:
-    """Make the tensors that left the forward by a side channel the Function's
-    outputs, in place: the caller's objects (in a list, an attribute, a hook's
-    collection) take the content of the outputs, so their gradient flows."""
-    held, spec.escaped = spec.escaped, []
-    for t, o in zip(held, side):
-        try:
-            torch.utils.swap_tensors(t, o)
-        except RuntimeError as e:
-            raise _side_output_error(spec, t, str(e)) from None
-
-
-def _check_unsure(spec: _RegionState) -> None:
-    unsure, spec.unsure = spec.unsure, []
-    for r in unsure:
-        t = r()
-        if t is not None:
-            raise _side_output_error(spec, t, "autograd holds it too")
-
-
-def _side_output_error(spec: _RegionState, t: torch.Tensor, why: str) -> RematError:
-    return RematError(
-        f"remat({spec.name}): the tensor {describe(t)} made inside the region left it by a side "
-        "channel (stored in a list or an attribute, or recorded by a hook) and cannot be "
-        f"connected to the gradient under torch.func ({why}). Fix: return it from the function "
-        "as an output."
-    )
-
-
-def _check_lazy_outputs(spec: _RegionState, result) -> None:
-    """Refuse outputs that compute with the region's tensors later (a closure, a
-    generator): under torch.func they would see the forward's untracked tensors
-    and silently give no gradient."""
-    for leaf in optree.tree_leaves(result, none_is_leaf=True):
-        if isinstance(leaf, (torch.Tensor, str, bytes, int, float, bool, type(None))):
-            continue
-        if isinstance(leaf, (types.GeneratorType, Iterator)):
-            what = "a generator or iterator"
-        elif callable(leaf) and not isinstance(leaf, (type, torch.nn.Module)) and reachable_tensors(leaf).tensors:
-            what = "a function holding tensors"
-        else:
-            continue
-        raise RematError(
-            f"remat({spec.name}) returned {what} ({type(leaf).__name__}) that computes with the "
-            "region's tensors later; under torch.func those tensors are not tracked, so its "
-            "results would get no gradient. Fix: compute the values inside the function and "
-            "return the tensors (e.g. return list(gen) or fn())."
-        )
-
-
 def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     """Run the region as a custom ``autograd.Function`` (under ``torch.func``, or
     wherever saved-tensor hooks cannot be used); returns its output pytree.
     ``calls_torch_func``: the function is known to call a ``torch.func``
-    transform itself (see :func:`_keep_nothing`)."""
+    transform itself (see :func:`keep_nothing`)."""
     call.check_static()
     inputs, expand = _distinct(call.inputs)
     name, debug = call.name, call.debug
@@ -629,7 +511,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         spec.rng = snap
         try:
             outs = _RematFunction.apply(spec, *inputs, *captured)
-        except _NeedsGraph:
+        except NeedsGraph:
             if snap is not None:
                 snap.restore_now()
             keep_graph = True
@@ -663,10 +545,10 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     n = spec.n_out
     outs, side = list(outs[:n]), outs[n:]
     if side:
-        _connect_side_outputs(spec, side)
+        connect_side_outputs(spec, side)
     del side  # the forward's side tensors (now in these objects) die here, with their history
     if spec.unsure:
-        _check_unsure(spec)
+        check_unsure(spec)
     if spec.views:
         every = (*inputs, *captured)
         for i, (j, size, stride, offset) in spec.views.items():
@@ -675,5 +557,5 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
                 outs[i] = base.as_strided(size, stride, offset)
     result = spec.out_box[-1](outs)
     if any(spec.needs):
-        _check_lazy_outputs(spec, result)
+        check_lazy_outputs(spec, result)
     return result

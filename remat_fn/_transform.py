@@ -178,11 +178,22 @@ def _cached_opts(policy: Any, preserve_rng_state: bool, debug: bool) -> Options:
     return Options.create(policy=policy, preserve_rng_state=preserve_rng_state, debug=debug)
 
 
-def _call_once_opts(policy: Any, preserve_rng_state: bool, debug: bool) -> Options:
+def _opts_for(policy: Any, preserve_rng_state: bool, debug: bool) -> Options:
     try:
         return _cached_opts(policy, preserve_rng_state, debug)
     except TypeError:  # an unhashable policy (a list of ops, a stateful object)
         return Options.create(policy=policy, preserve_rng_state=preserve_rng_state, debug=debug)
+
+
+# Validating options is plain Python that Dynamo need not trace (it cannot
+# trace the cache's key of a list of ops): run eagerly while compiling.
+_opts_compiling = torch.compiler.disable(_opts_for)
+
+
+def _call_once_opts(policy: Any, preserve_rng_state: bool, debug: bool) -> Options:
+    if torch.compiler.is_compiling():
+        return _opts_compiling(policy, preserve_rng_state, debug)
+    return _opts_for(policy, preserve_rng_state, debug)
 
 
 def run_region(call: RegionCall) -> Any:

@@ -357,3 +357,19 @@ def test_hypothesis_dropout_under_forward_mode(randomness, p, mode):
     else:
         run = lambda f: _seeded(lambda: jvp(grad(lambda x: f(x).sum()), (X,), (t,)))
     assert_tree_close(run(remat(g)), run(g), rtol=0, atol=0)
+
+
+def test_compile_over_remat_module_with_a_list_of_ops_policy():
+    from remat_fn.nn import remat_module
+
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    grads = []
+    for m in (remat_module(lin, policy=[torch.ops.aten.addmm.default]), lin):
+        xx = x.clone().requires_grad_()
+        torch._dynamo.reset()
+        out = torch.compile(m)(xx).tanh().sum()
+        out.backward()
+        grads.append((out.detach(), xx.grad))
+    assert_tree_close(grads[0], grads[1], rtol=0, atol=0)

@@ -1,0 +1,151 @@
+"""What makes the ``torch.func`` path look like plain code to the function and its caller.
+
+The path runs a region as a custom ``autograd.Function`` (see
+:mod:`remat_fn._path_torch_func`); torch runs such a forward below every grad
+level, with grad mode off and the inputs unwrapped.  The pieces here give the
+function and its caller what plain code would:
+
+* :func:`keep_nothing`: the forward runs under a ``vjp`` level (so requires_grad,
+  grad mode and which outputs are differentiable are the plain ones) whose
+  graph keeps nothing: saved-tensor hooks that drop what autograd would save.
+* :func:`connect_side_outputs`: tensors made inside that left the region by a
+  side channel (a list, a module attribute, a forward hook's collection) are
+  outputs of the Function; the caller's objects take their content.
+* :func:`check_lazy_outputs`: closures and generators among the outputs would
+  compute later on untracked tensors: refused.
+* :func:`random_in_vmap`: a recomputation drawing random numbers inside a vmap
+  that forbids it: a clear error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+
+import optree
+import torch
+
+from ._closures import reachable_tensors
+from ._describe import describe
+from ._errors import RematError
+
+__all__ = ["NeedsGraph", "keep_nothing", "random_in_vmap", "connect_side_outputs", "check_unsure",
+           "check_lazy_outputs"]
+
+_A = torch._C._autograd
+_hooks_on = _A._saved_tensors_hooks_is_enabled
+_hooks_off_message = _A._saved_tensors_hooks_get_disabled_error_message
+_enable_hooks = _A._saved_tensors_hooks_enable
+_disable_hooks = _A._saved_tensors_hooks_disable
+_push_hooks = _A._push_saved_tensors_default_hooks
+_pop_hooks = _A._pop_saved_tensors_default_hooks
+
+
+class NeedsGraph(Exception):
+    """Internal: the function calls a torch.func transform, which refuses the
+    saved-tensor hooks of :func:`keep_nothing`; the forward runs again without."""
+
+
+def _discard(_t):
+    return None
+
+
+def _never(_p):  # pragma: no cover - the forward's level is never differentiated
+    raise RematError("internal: remat's forward graph was differentiated")
+
+
+@contextlib.contextmanager
+def keep_nothing(name: str):
+    """Saved-tensor hooks that keep nothing, for the forward's vjp level.
+
+    That level only tells what plain code would see (requires_grad, grad mode,
+    side outputs); it is never differentiated, so what autograd would save
+    there is dropped at once and the forward keeps no more memory than a
+    forward without grad.  torch switches saved-tensor hooks off under its
+    grad levels; they are switched on for the region's own ops only.
+    """
+    was = _hooks_on()
+    msg = _hooks_off_message() if not was else None
+    if not was:
+        _enable_hooks()
+    _push_hooks(_discard, _never)
+    try:
+        yield
+    except RuntimeError as e:
+        if "don't yet support saved tensor hooks" in str(e):
+            raise NeedsGraph() from None
+        raise
+    finally:
+        _pop_hooks()
+        if not was:
+            _disable_hooks(msg)
+
+
+@contextlib.contextmanager
+def random_in_vmap(name: str):
+    """A recomputation that draws from the global generator inside a ``vmap``
+    whose randomness mode is "error" (``jacrev``, a vmapped ``vjp_fn``): the
+    plain function drew in the forward, outside the vmap; say what to do."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "randomness error mode" not in str(e):
+            raise
+        raise RematError(
+            f"remat({name}) draws random numbers from torch's global generator and its "
+            "recomputation runs inside a vmap whose randomness mode is 'error' (jacrev, or a "
+            "vmapped vjp_fn), where torch forbids such draws. Fix: draw with explicit keys "
+            "(remat_fn.random.dropout(key, x, p), remat_fn.random.normal(key, ...)), which "
+            "recompute without any generator, or use jacfwd(..., randomness='same'/'different')."
+        ) from None
+
+
+def connect_side_outputs(spec, side) -> None:
+    """Make the tensors that left the forward by a side channel the Function's
+    outputs, in place: the caller's objects (in a list, an attribute, a hook's
+    collection) take the content of the outputs, so their gradient flows."""
+    held, spec.escaped = spec.escaped, []
+    for t, o in zip(held, side):
+        try:
+            torch.utils.swap_tensors(t, o)
+        except RuntimeError as e:
+            raise side_output_error(spec, t, str(e)) from None
+
+
+def check_unsure(spec) -> None:
+    unsure, spec.unsure = spec.unsure, []
+    for r in unsure:
+        t = r()
+        if t is not None:
+            raise side_output_error(spec, t, "autograd holds it too")
+
+
+def side_output_error(spec, t: torch.Tensor, why: str) -> RematError:
+    return RematError(
+        f"remat({spec.name}): the tensor {describe(t)} made inside the region left it by a side "
+        "channel (stored in a list or an attribute, or recorded by a hook) and cannot be "
+        f"connected to the gradient under torch.func ({why}). Fix: return it from the function "
+        "as an output."
+    )
+
+
+def check_lazy_outputs(spec, result) -> None:
+    """Refuse outputs that compute with the region's tensors later (a closure, a
+    generator): under torch.func they would see the forward's untracked tensors
+    and silently give no gradient."""
+    for leaf in optree.tree_leaves(result, none_is_leaf=True):
+        if isinstance(leaf, (torch.Tensor, str, bytes, int, float, bool, type(None))):
+            continue
+        if isinstance(leaf, (types.GeneratorType, Iterator)):
+            what = "a generator or iterator"
+        elif callable(leaf) and not isinstance(leaf, (type, torch.nn.Module)) and reachable_tensors(leaf).tensors:
+            what = "a function holding tensors"
+        else:
+            continue
+        raise RematError(
+            f"remat({spec.name}) returned {what} ({type(leaf).__name__}) that computes with the "
+            "region's tensors later; under torch.func those tensors are not tracked, so its "
+            "results would get no gradient. Fix: compute the values inside the function and "
+            "return the tensors (e.g. return list(gen) or fn())."
+        )
