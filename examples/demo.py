@@ -30,6 +30,7 @@ import os
 import platform
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -408,9 +409,84 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def caption(cfg: Config, repeats: int) -> str:
+    """What the table's columns mean (printed above it and written above it in table.md)."""
+    return (
+        f"One training step, batch {cfg.batch} x {cfg.seq_len} tokens, per variant. Memory is measured "
+        "with LiveBytes (remat_fn.memory: the bytes of live tensors created during the step; exact, and "
+        "it works inside torch.func): *peak* is the most alive at any moment of the step, *after fwd* what "
+        "is still alive when the forward has returned, i.e. what the step keeps for backward. Step time is "
+        f"the median of {repeats} interleaved rounds (the variants alternate within each round) with the "
+        "spread, min-max over the rounds, in parentheses: a difference smaller than the spread is noise. "
+        "torch.func = grad_and_value(functional_call); eager = loss.backward()."
+    )
+
+
+def place_labels(points: list[tuple[float, float]], texts: list[str], *, marker: float = 7.0,
+                 char_w: float = 5.0, text_h: float = 6.0) -> list[tuple[str, int, float, float]]:
+    """Where to put the number of each point so that no two labels overlap.
+
+    ``points`` are positions in typographic points (display units), ``texts``
+    their labels.  Points whose markers coincide (closer than ``marker``) share
+    one label (``"1,4"``); each label goes to the first spot around its point
+    that overlaps no label placed before it and no other marker and is nearer
+    its own point than any other (the least bad spot if none is free).  Returns ``(text, index of the point it
+    is attached to, dx, dy)``: the offset, in points, of the label's lower-left
+    corner from the point.
+    """
+    groups: list[list[int]] = []
+    for i, (x, y) in enumerate(points):
+        for g in groups:
+            gx, gy = points[g[0]]
+            if abs(x - gx) < marker and abs(y - gy) < marker:
+                g.append(i)
+                break
+        else:
+            groups.append([i])
+    r = marker / 2
+    obstacles = [(x - r, y - r, x + r, y + r) for x, y in points]
+    placed: list[tuple[str, int, float, float]] = []
+
+    def overlap(a, b):
+        w = min(a[2], b[2]) - max(a[0], b[0])
+        h = min(a[3], b[3]) - max(a[1], b[1])
+        return w * h if w > 0 and h > 0 else 0.0
+
+    for g in groups:
+        text = ",".join(texts[i] for i in g)
+        x, y = points[g[0]]  # the label's offsets are from the group's first point
+        w, h = char_w * len(text), text_h
+        # above right, above left, above, then below, then beside, then further out
+        q = r + 1  # a point of air between a marker and its label
+        spots = [(r, q), (-r - w, q), (-w / 2, q + 1), (r, -q - h), (-r - w, -q - h), (-w / 2, -q - h - 1),
+                 (q + 1, -h / 2), (-q - w - 1, -h / 2), (r, q + h + 2), (-r - w, q + h + 2),
+                 (r, -q - 2 * h - 2), (-r - w, -q - 2 * h - 2)]
+        others = [b for j, b in enumerate(obstacles) if j not in g]
+        other_pts = [pt for j, pt in enumerate(points) if j not in g]
+        best = None
+        for dx, dy in spots:
+            box = (x + dx, y + dy, x + dx + w, y + dy + h)
+            cost = sum(overlap(box, b) for b in others)
+            # a label nearer to another point than to its own would be read as that point's
+            cx, cy = x + dx + w / 2, y + dy + h / 2
+            own_d = min(math.dist((cx, cy), points[i]) for i in g)
+            cost += sum(1.0 for pt in other_pts if math.dist((cx, cy), pt) < own_d)
+            if cost == 0:
+                best = (0.0, dx, dy, box)
+                break
+            if best is None or cost < best[0]:
+                best = (cost, dx, dy, box)
+        assert best is not None
+        _, dx, dy, box = best
+        obstacles.append(box)
+        placed.append((text, g[0], dx, dy))
+    return placed
+
+
 def plot(results: list[dict], path: str, title: str) -> bool:
     """Peak activation memory against step time: one panel per mode (torch.func,
-    eager), one numbered point per variant, the numbers explained on the right."""
+    eager), one numbered point per variant, the numbers explained on the right
+    (labels placed so that they do not overlap; coinciding points share one)."""
     try:
         import matplotlib
 
@@ -420,14 +496,16 @@ def plot(results: list[dict], path: str, title: str) -> bool:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
     cmap = plt.get_cmap("tab20")
+    shown: list[list[tuple[float, float, str]]] = []
     for ax, (mode, name) in zip(axes, (("func", "torch.func.grad_and_value"), ("eager", "eager .backward()"))):
+        shown.append([])
         for i, r in enumerate(results):
             if f"{mode}_ms" not in r or f"{mode}_peak" not in r:
                 continue
             x, y = r[f"{mode}_ms"], r[f"{mode}_peak"]
             ax.errorbar([x], [y], xerr=[[x - r[f"{mode}_ms_min"]], [r[f"{mode}_ms_max"] - x]],
                         color=cmap(i % 20), fmt="o", ms=7, capsize=3, zorder=3)
-            ax.annotate(str(i + 1), (x, y), fontsize=8, xytext=(5, 4), textcoords="offset points")
+            shown[-1].append((x, y, str(i + 1)))
         failed = [str(i + 1) for i, r in enumerate(results) if f"{mode}_error" in r]
         sub = name + (f"  (fails here: {', '.join(failed)})" if failed else "")
         ax.set_title(sub, fontsize=9)
@@ -438,6 +516,13 @@ def plot(results: list[dict], path: str, title: str) -> bool:
     fig.text(0.70, 0.5, key, fontsize=8, va="center", family="monospace")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0, 0.69, 1))
+    fig.canvas.draw()  # final limits and layout: label positions are computed in points
+    to_pt = 72.0 / fig.dpi
+    for ax, pts in zip(axes, shown):
+        disp = [tuple(v * to_pt for v in ax.transData.transform((x, y))) for x, y, _ in pts]
+        for text, j, dx, dy in place_labels(disp, [t for _, _, t in pts]):
+            ax.annotate(text, pts[j][:2], fontsize=8, xytext=(dx, dy), textcoords="offset points",
+                        ha="left", va="baseline", zorder=4)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
@@ -491,7 +576,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-plot", action="store_true", help="do not write PNG plots")
     ap.add_argument("--repeats", type=int, default=7,
                     help="timed rounds per variant for the table (median reported; default 7)")
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads torch uses for training and the measurements (torch.set_num_threads; "
+                         "default: torch's own, OMP_NUM_THREADS or else the physical cores); 1 gives steadier timings on a busy machine")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps must be at least 1")
@@ -518,9 +605,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows = variants()
     results = measure(model, params, cfg, args.seed, rows, args.repeats)
     table = format_table(results)
-    print(f"\nOne training step, batch {cfg.batch} x {cfg.seq_len} tokens: activation memory "
-          f"(LiveBytes: peak, and live after the forward) and step time (median and min-max of "
-          f"{args.repeats} interleaved rounds).  torch.func = grad_and_value(functional_call); eager = loss.backward().\n")
+    text = caption(cfg, args.repeats)
+    print("\n" + textwrap.fill(text, 110, break_on_hyphens=False, break_long_words=False) + "\n")
     print(table)
     print("(offload policies move tensors from a GPU to the CPU; this machine has none, so they are not shown)")
 
@@ -528,12 +614,12 @@ def main(argv: list[str] | None = None) -> dict:
             "machine": platform.machine(), "processor": platform.processor(),
             "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "remat_fn": remat_fn.__version__}
     out = {"info": info, "config": asdict(cfg), "size": args.size, "steps": args.steps,
-           "seed": args.seed, "losses": losses, "train_seconds": secs, "accuracy": acc,
+           "seed": args.seed, "repeats": args.repeats, "losses": losses, "train_seconds": secs, "accuracy": acc,
            "results": results}
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump(out, fh, indent=2)
     with open(os.path.join(args.out, "table.md"), "w") as fh:
-        fh.write(table + "\n")
+        fh.write(text + "\n\n" + table + "\n")
     written = []
     if not args.no_plot:
         p1 = os.path.join(args.out, "memory_vs_time.png")

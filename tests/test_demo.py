@@ -20,7 +20,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 def test_demo_help():
     out = run("--help").stdout
-    for opt in ("--steps", "--size", "--out", "--seed", "--no-plot"):
+    for opt in ("--steps", "--size", "--out", "--seed", "--no-plot", "--repeats", "--threads"):
         assert opt in out
 
 
@@ -36,7 +36,7 @@ def test_demo_short_run(tmp_path):
         plots = True
     except ImportError:
         plots = False
-    out = run("--steps", "8", "--size", "tiny", "--out", str(tmp_path), "--repeats", "2",
+    out = run("--steps", "8", "--size", "tiny", "--out", str(tmp_path), "--repeats", "2", "--threads", "2",
               *([] if plots else ["--no-plot"])).stdout
     assert "| no remat |" in out and "| torch.utils.checkpoint | fails under torch.func" in out
     res = json.loads((tmp_path / "results.json").read_text())
@@ -48,7 +48,60 @@ def test_demo_short_run(tmp_path):
     assert "func_error" in rows["torch.utils.checkpoint"]
     r = rows["remat nothing_saveable (default)"]  # each time with its spread
     assert r["eager_ms_min"] <= r["eager_ms"] <= r["eager_ms_max"]
-    assert (tmp_path / "table.md").exists()
+    # table.md carries the caption the terminal prints: what the columns and spreads mean
+    table = (tmp_path / "table.md").read_text()
+    caption = table.split("\n\n")[0]
+    for words in ("LiveBytes", "*peak*", "*after fwd*", "keeps for backward", "median of 2 interleaved rounds",
+                  "min-max", "torch.func = grad_and_value(functional_call)", "eager = loss.backward()"):
+        assert words in caption, words
+    assert table.split("\n\n")[1].startswith("| variant |")
+    assert " ".join(caption.split()) in " ".join(out.split())
+    assert res["repeats"] == 2
+    # --threads overrides torch's default (the run's environment says OMP_NUM_THREADS=1)
+    assert ", 2 threads," in out and res["info"]["threads"] == 2
     if plots:
         assert (tmp_path / "memory_vs_time.png").stat().st_size > 0
         assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+def _demo_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("remat_fn_demo", DEMO)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, mod)  # its dataclasses look their module up
+    spec.loader.exec_module(sys.modules[spec.name])
+    return sys.modules[spec.name]
+
+
+def _boxes(points, placed, char_w=5.0, text_h=6.0):
+    return [(points[i][0] + dx, points[i][1] + dy, points[i][0] + dx + char_w * len(t), points[i][1] + dy + text_h)
+            for t, i, dx, dy in placed]
+
+
+def _overlap(a, b):
+    return min(a[2], b[2]) > max(a[0], b[0]) and min(a[3], b[3]) > max(a[1], b[1])
+
+
+def test_plot_labels_do_not_overlap():
+    """memory_vs_time.png: coinciding points share one label ("1,4", not "41"), and
+    labels of nearby points go where they overlap no other label and no other marker."""
+    place = _demo_module().place_labels
+    # the committed demo's eager panel had 1 and 4 on top of each other, 6 and 9 close
+    pts = [(100.0, 100.0), (200.0, 50.0), (205.0, 50.0), (100.0, 100.0), (300.0, 80.0), (310.0, 80.0),
+           (310.0, 92.0), (300.0, 92.0), (150.0, 150.0), (158.0, 150.0)]
+    texts = [str(i + 1) for i in range(len(pts))]
+    placed = place(pts, texts)
+    labels = [t for t, *_ in placed]
+    assert "1,4" in labels and "2,3" in labels and "1" not in labels and "4" not in labels
+    assert sorted(",".join(labels).split(",")) == sorted(texts)
+    boxes = _boxes(pts, placed)
+    for a in range(len(boxes)):
+        for b in range(a + 1, len(boxes)):
+            assert not _overlap(boxes[a], boxes[b]), (placed[a], placed[b])
+    r = 3.5
+    for (t, *_), box in zip(placed, boxes):
+        own = [j for j in range(len(pts)) if str(j + 1) in t.split(",")]
+        for j, (x, y) in enumerate(pts):
+            if j not in own:
+                assert not _overlap(box, (x - r, y - r, x + r, y + r)), (t, j + 1)
