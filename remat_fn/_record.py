@@ -36,6 +36,13 @@ __all__ = ["Record", "SaveMode", "saving", "paused", "checkpoint_name"]
 _local = threading.local()
 _no_torch_function = torch._C.DisableTorchFunction
 _DETACH = torch.ops.aten.detach.default
+# in-place ops that change only a tensor's sizes and strides, not its data (matmul on
+# a 1-D operand ends in squeeze_): a kept value they touch needs no copy
+_METADATA_ONLY = frozenset(
+    p for p in (getattr(torch.ops.aten, n, None) for n in (
+        "squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_", "as_strided_", "detach_"))
+    if p is not None
+)
 
 
 def _kept(out):
@@ -365,7 +372,7 @@ class SaveMode(TorchDispatchMode):
                 return func(*args, **kwargs)
             return self.rec.replay(func, key, args, kwargs)
         self.rec.seq.append(func)
-        if self.rec.entries and func._schema.is_mutable:
+        if self.rec.entries and func._schema.is_mutable and func.overloadpacket not in _METADATA_ONLY:
             self.rec.before_mutation(func, args, kwargs)
         out = func(*args, **kwargs)
         self.rec.after_op(func, key, args, kwargs, out)
