@@ -26,7 +26,10 @@ from ._util import assert_tree_close, draw_steps
 
 SHAPE = (4, 6)
 _g = torch.Generator().manual_seed(1234)
-W = torch.randn(6, 6, generator=_g, dtype=torch.float64) / 3  # differentiated closure
+W = torch.randn(6, 6, generator=_g, dtype=torch.float64) / 3
+# the weights the programs close over, differentiated by every transform: ``run``
+# swaps a differentiated tensor in, as torch.func.functional_call does
+PARAMS = {"W": W}
 K = torch.randn(1, 1, 3, generator=_g, dtype=torch.float64)  # constant closure
 IDX = torch.stack([torch.randperm(6, generator=_g) for _ in range(4)])  # constant index
 
@@ -43,15 +46,15 @@ UNARY = {
     "gather": lambda t: t.gather(1, IDX),
     "scatter": lambda t: torch.zeros_like(t).scatter(1, IDX, t),
     "conv1d": lambda t: F.conv1d(t.unsqueeze(1), K, padding=1).squeeze(1),
-    "einsum_w": lambda t: torch.einsum("ij,jk->ik", t, W),
-    "matmul_w": lambda t: t @ W,
+    "einsum_w": lambda t: torch.einsum("ij,jk->ik", t, PARAMS["W"]),
+    "matmul_w": lambda t: t @ PARAMS["W"],
     "named": lambda t: checkpoint_name(torch.sin(t) * 2, "h"),
 }
 BINARY = {
     "add": torch.add,
     "mul": torch.mul,
     "where": lambda a, b: torch.where(a > 0, a, b),
-    "bmm": lambda a, b: torch.bmm(a.unsqueeze(0), b.t().unsqueeze(0)).squeeze(0) @ W[:4, :],
+    "bmm": lambda a, b: torch.bmm(a.unsqueeze(0), b.t().unsqueeze(0)).squeeze(0) @ PARAMS["W"][:4, :],
 }
 
 POLICIES = {
@@ -116,31 +119,38 @@ def scalar(fn, n_in, wrt):
 
 
 def run(transform, fn, xs, wrt):
-    """``transform`` of the loss of ``fn`` w.r.t. the inputs ``wrt``."""
+    """``transform`` of the loss of ``fn`` w.r.t. the inputs ``wrt`` and the closed-over
+    weights ``PARAMS["W"]`` (swapped in for the call, as functional_call does)."""
     loss = scalar(fn, len(xs), wrt)
-    diff = [xs[i] for i in wrt]
+    diff = [xs[i] for i in wrt] + [W]
 
     def f(*d):
-        return loss(*d, consts=xs)
+        *d, w = d
+        PARAMS["W"] = w
+        try:
+            return loss(*d, consts=xs)
+        finally:
+            PARAMS["W"] = W
 
+    n = len(diff)
     if transform == "eager":
         ds = [d.clone().requires_grad_(True) for d in diff]
-        return torch.autograd.grad(f(*ds), ds)
+        return torch.autograd.grad(f(*ds), ds, allow_unused=True, materialize_grads=True)
     if transform == "grad":
-        return grad(f, argnums=tuple(range(len(diff))))(*diff)
+        return grad(f, argnums=tuple(range(n)))(*diff)
     if transform == "vjp":
         out, fn_ = vjp(f, *diff)
         return fn_(torch.ones_like(out))
     if transform == "vmap_grad":
-        batched = [torch.stack([d, d * 0.5 + 0.1]) for d in diff]
-        return vmap(grad(f, argnums=tuple(range(len(diff)))))(*batched)
+        batched = [torch.stack([d, d * 0.5 + 0.1]) for d in diff[:-1]]
+        return vmap(grad(f, argnums=tuple(range(n))), in_dims=(*([0] * (n - 1)), None))(*batched, W)
     if transform == "jacrev":
-        return jacrev(lambda d0: f(d0, *diff[1:]))(diff[0])
+        return jacrev(lambda d0, w: f(d0, *diff[1:-1], w), argnums=(0, 1))(diff[0], W)
     if transform == "jvp":
         return jvp(f, tuple(diff), tuple(torch.ones_like(d) for d in diff))
-    if transform == "grad_grad":  # a Hessian-vector product
-        g = lambda d0: grad(lambda y: f(y, *diff[1:]))(d0)  # noqa: E731
-        return jvp(g, (diff[0],), (torch.ones_like(diff[0]),))[1]
+    if transform == "grad_grad":  # a Hessian-vector product, w.r.t. the input and W
+        g = lambda d0, w: grad(lambda y, v: f(y, *diff[1:-1], v), argnums=(0, 1))(d0, w)  # noqa: E731
+        return jvp(g, (diff[0], W), (torch.ones_like(diff[0]), torch.ones_like(W)))[1]
     raise AssertionError(transform)
 
 
