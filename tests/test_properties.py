@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import optree
@@ -186,9 +187,9 @@ ACTS = [torch.nn.Tanh, torch.nn.GELU, torch.nn.Sigmoid, torch.nn.SiLU]
        pol=st.sampled_from([None, "dots", "names", "budget"]), transform=st.sampled_from(["grad", "vmap_grad", "jacrev", "eager"]),
        seed=st.integers(0, 10_000))
 def test_random_modules_functional_call(widths, acts, pol, transform, seed):
-    """Random MLPs; every layer rematerialised; parameters swapped in by functional_call."""
+    """Random MLPs; every Linear+activation block rematerialised, its pre-activation
+    named inside the region; parameters swapped in by functional_call."""
 
-    from remat_fn import checkpoint_name
     from remat_fn import policies as P
 
     torch.manual_seed(seed)
@@ -198,12 +199,12 @@ def test_random_modules_functional_call(widths, acts, pol, transform, seed):
     net = torch.nn.Sequential(*layers)
     policy = {None: None, "dots": P.dots_saveable, "names": P.save_only_these_names("act"),
               "budget": P.memory_budget(0.5)}[pol]
-    rlayers = [remat(m, policy=policy) for m in net]
+    pairs = [(net[i], net[i + 1]) for i in range(0, len(net), 2)]
+    rblocks = [remat(functools.partial(_named_block, lin, act), policy=policy) for lin, act in pairs]
 
     def forward(use, x):
-        for m, rm in zip(net, rlayers):
-            x = rm(x) if use else m(x)
-            x = checkpoint_name(x, "act")
+        for (lin, act), rb in zip(pairs, rblocks):
+            x = rb(x) if use else _named_block(lin, act, x)
         return x
 
     def loss(use):
@@ -230,3 +231,24 @@ def test_random_modules_functional_call(widths, acts, pol, transform, seed):
             res.append(torch.autograd.grad(loss(use)(ps, x), list(ps.values())))
         a, b = res
     assert_tree_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def _named_block(lin, act, x):
+    from remat_fn import checkpoint_name
+
+    return act(checkpoint_name(lin(x), "act"))
+
+
+def test_names_policy_keeps_the_named_value_inside_the_region():
+    """The "names" policy of the random-module test does act: the named
+    pre-activation is kept where the activation's backward needs it."""
+    from remat_fn import policies as P
+    from remat_fn import saved_residuals
+
+    lin, act = torch.nn.Linear(4, 5).double(), torch.nn.GELU()  # GELU saves its input
+    x = torch.randn(3, 4, dtype=torch.float64)
+    block = functools.partial(_named_block, lin, act)
+    kept = [(r.kind, r.name) for r in saved_residuals(remat(block, policy=P.save_only_these_names("act")), x)
+            if r.kind == "saved"]
+    assert kept == [("saved", "act")]
+    assert [r for r in saved_residuals(remat(block), x) if r.kind == "saved"] == []
