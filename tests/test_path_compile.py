@@ -102,15 +102,11 @@ def test_compile_policy_through_remat_and_compat():
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
         from remat_fn.compat import checkpoint
         out = {}
-        try:
-            f = remat_fn.remat(block, policy=save_mm)
-        except NotImplementedError:
-            f = None
-        if f is not None:
-            c = {}
-            torch._dynamo.reset()
-            g = torch.compile(lambda x: f(x).sum(), backend=counting_backend(c))
-            out["remat_policy"] = dict(ok=close(torch.autograd.grad(g(x), (x, w1, w2))), **c)
+        f = remat_fn.remat(block, policy=save_mm)
+        c = {}
+        torch._dynamo.reset()
+        g = torch.compile(lambda x: f(x).sum(), backend=counting_backend(c))
+        out["remat_policy"] = dict(ok=close(torch.autograd.grad(g(x), (x, w1, w2))), **c)
         c = {}
         torch._dynamo.reset()
         cf = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
@@ -122,8 +118,7 @@ def test_compile_policy_through_remat_and_compat():
     )
     print("compiled mm counts:", res)
     assert res["compat_sac"] == {"fw": 2, "bw": 4, "ok": True}
-    if "remat_policy" in res:
-        assert res["remat_policy"] == {"fw": 2, "bw": 4, "ok": True}
+    assert res["remat_policy"] == {"fw": 2, "bw": 4, "ok": True}
 
 
 def test_compile_composes_with_torch_func():
