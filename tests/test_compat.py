@@ -165,13 +165,19 @@ def test_early_stop_flag(early_stop):
     calls = []
 
     def f(x):
-        y = x.sin()
+        y = x.sin().exp()  # exp saves its output: backward recomputes the region
         calls.append(1)
-        return y.exp() + 1  # the add saves nothing
+        return y + 1  # the add saves nothing
 
     x = torch.randn(3, requires_grad=True)
     out = checkpoint(f, x, early_stop=early_stop)
-    torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0], torch.autograd.grad(f(x).sum(), x)[0])
+    assert calls == [1]
+    (g,) = torch.autograd.grad(out.sum(), x)
+    # with early stop the recomputation ends at exp's output, before the Python tail;
+    # without it the whole function runs again
+    assert calls == ([1] if early_stop else [1, 1])
+    calls.clear()
+    torch.testing.assert_close(g, torch.autograd.grad(f(x).sum(), x)[0])
 
 
 @pytest.mark.parametrize("preserve", [True, False])

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import torch
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from remat_fn import remat
 
 from ._util import assert_tree_close
+
+
+class OpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        k = func.overloadpacket.__name__
+        self.n[k] = self.n.get(k, 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 def block(x, w):
@@ -75,14 +88,20 @@ def test_early_stop_skips_tail_of_region():
     ran = []
 
     def f(x):
-        y = x.sin()  # sin saves x
+        y = x.sin().exp()  # exp saves its output: backward recomputes the region
         ran.append("tail")
         return y * 2 + 1  # mul by scalar / add save nothing
 
     x = torch.randn(3, requires_grad=True)
-    remat(f)(x).sum().backward()
+    out = remat(f)(x)
+    assert ran == ["tail"]
+    with OpCount() as c:
+        out.sum().backward()
+    # the recomputation stopped at exp's output: the Python tail and the mul/add of
+    # the region did not run again
     assert ran == ["tail"], "recompute should stop after the last saved tensor"
-    assert torch.allclose(x.grad, 2 * x.cos())
+    assert (c.n["sin"], c.n["exp"], c.n.get("add", 0)) == (1, 1, 0), c.n
+    assert torch.allclose(x.grad, 2 * x.cos() * x.sin().exp())
 
 
 def test_nested_remat_eager():
