@@ -254,23 +254,32 @@ def test_grad_peak_with_name_policy_adds_only_the_saved_values():
     x = torch.randn(256, 64, generator=g)
     w1, w2 = torch.randn(64, 64, generator=g) / 8, torch.randn(64, 64, generator=g) / 8
 
-    def peak(pol):
-        rb = remat(block, policy=pol)
+    def peak(pol, use=True):
+        rb = remat(block, policy=pol) if use else block
+        box = {}
 
         def loss(w1, w2):
             h = x
             for _ in range(6):
                 h = rb(h, w1, w2)
+            box["kept"] = m.live  # at the end of the forward, inside grad
             return h.sum()
 
-        grad(loss)(w1, w2)
         with LiveBytes() as m:
             grad(loss)(w1, w2)
-        return m.peak
+        with LiveBytes() as m:
+            grad(loss)(w1, w2)
+        return box["kept"], m.peak
 
-    base = peak(None)
+    base_kept, base = peak(None)
     h_bytes = x.numel() * 4
-    assert peak(P.save_only_these_names("h")) <= base + 6 * h_bytes * 1.05
+    kept, pk = peak(P.save_only_these_names("h"))
+    # after the forward: exactly the six named h (one per block) more than no policy
+    assert kept == base_kept + 6 * h_bytes
+    # the peak: above recompute-everything, and by no more than the kept values
+    assert base < pk <= base + 6 * h_bytes
+    _, plain = peak(None, use=False)
+    assert pk < plain
 
 
 # -- never keep more than plain autograd, never recompute for nothing ---------------
@@ -283,9 +292,11 @@ def test_save_everything_callable_keeps_no_more_than_autograd():
     f = lambda x: (x * ones) * ones  # noqa: E731
     x = torch.randn(64)
     save_all = lambda ctx, op, *a, **k: True  # noqa: E731
-    assert _residual_bytes(remat(f, policy=save_all), x) <= _residual_bytes(f, x)
+    assert _residual_bytes(remat(f, policy=save_all), x) == _residual_bytes(f, x) == 0
     r = remat_fn.saved_residuals(remat(f, policy=save_all), x)
-    assert sum(1 for t in r if t.kind == "saved") <= 1, r  # only x * ones is needed
+    # each mul's backward needs only `ones` (closed over, alive anyway): although the
+    # policy allows every value, none is kept
+    assert [t.kind for t in r] == ["argument", "closure"], r
 
 
 def _mlp_block(x, w1, w2):
@@ -293,12 +304,18 @@ def _mlp_block(x, w1, w2):
     return x + torch.relu(h @ w2)
 
 
-@pytest.mark.parametrize("policy", [
-    P.dots_saveable, P.save_anything_except_these_names("mlp_hidden"),
-    P.save_only_these_names("mlp_hidden"), P.save_any_names_but_these("mlp_hidden"),
-    P.dots_with_no_batch_dims_saveable, lambda ctx, op, *a, **k: True,
+# what each policy keeps after the forward of 4 blocks, in units of one hidden
+# activation (512x64 f32); "inputs" are the 4 block inputs (one unit together).
+# None: only the upper bound (dots policies: what they keep is issue 19's to settle)
+_KEPT = {"inputs": 1, "plain": 6}
+
+
+@pytest.mark.parametrize("policy,kept_units", [
+    (P.dots_saveable, None), (P.save_anything_except_these_names("mlp_hidden"), "plain"),
+    (P.save_only_these_names("mlp_hidden"), 1 + 4), (P.save_any_names_but_these("mlp_hidden"), "inputs"),
+    (P.dots_with_no_batch_dims_saveable, None), (lambda ctx, op, *a, **k: True, "plain"),
 ])
-def test_no_policy_keeps_more_than_no_remat(policy):
+def test_no_policy_keeps_more_than_no_remat(policy, kept_units):
     from remat_fn.memory import LiveBytes
 
     torch.manual_seed(0)
@@ -322,6 +339,8 @@ def test_no_policy_keeps_more_than_no_remat(policy):
     # needed to recompute a value the policy does not keep)
     assert kept <= plain_kept, (kept, plain_kept)
     assert peak <= plain_peak + 512 * 64 * 4, (peak, plain_peak)
+    if kept_units is not None:
+        assert kept == _KEPT.get(kept_units, kept_units) * 512 * 64 * 4
 
 
 def test_backward_needing_only_inputs_recomputes_nothing():
