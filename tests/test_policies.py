@@ -375,9 +375,11 @@ def test_policy_saved_value_modified_in_place_raises(how):
             fn((torch.zeros_like(a), torch.ones_like(b)))
 
 
-@pytest.mark.parametrize("policy", [P.dots_saveable, P.save_anything_except_these_names("mlp_hidden"),
-                                    lambda ctx, op, *a, **k: True])
-def test_no_policy_keeps_more_than_no_remat_under_grad(policy):
+@pytest.mark.parametrize("policy,kept_units", [
+    (None, "inputs"), (P.dots_saveable, None), (P.save_anything_except_these_names("mlp_hidden"), None),
+    (lambda ctx, op, *a, **k: True, "plain"),
+])
+def test_no_policy_keeps_more_than_no_remat_under_grad(policy, kept_units):
     from remat_fn.memory import LiveBytes
 
     torch.manual_seed(0)
@@ -397,7 +399,11 @@ def test_no_policy_keeps_more_than_no_remat_under_grad(policy):
             grad(loss)(ws, x0)
         return box["kept"]
 
-    assert run(remat(_mlp_block, policy=policy)) <= run(_mlp_block)
+    kept, plain = run(remat(_mlp_block, policy=policy)), run(_mlp_block)
+    assert kept <= plain
+    assert plain == _KEPT["plain"] * 512 * 64 * 4
+    if kept_units is not None:
+        assert kept == _KEPT[kept_units] * 512 * 64 * 4
 
 
 # -- issue 21: "Two names saved, one still recomputed" ------------------------------
