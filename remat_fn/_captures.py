@@ -15,6 +15,7 @@ is ever silently dropped.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -28,7 +29,16 @@ from ._errors import mutated_input
 from ._functorch import carries_grad, is_wrapped, needs_grad, storage_ptr, unwrap_one
 from ._region import region_depth
 
-__all__ = ["CaptureMode", "MissedCapture"]
+__all__ = ["CaptureMode", "MissedCapture", "note_region_inputs"]
+
+_recording = threading.local()  # the CaptureModes recording a forward, innermost last
+
+
+def note_region_inputs(tensors) -> None:
+    """A region nested in a forward keeps these tensors (its inputs) for its
+    backward: they are alive after the enclosing forward without having left it."""
+    for mode in getattr(_recording, "stack", ()):
+        mode.held.update(id(t) for t in tensors)
 
 
 class MissedCapture(Exception):
@@ -88,6 +98,7 @@ class CaptureMode(TorchFunctionMode):
         self.made: list[tuple[int, int, weakref.ref]] | None = [] if known is not None else None
         self.grab = grab
         self.grabbed: dict[tuple[int, int], torch.Tensor] = {}
+        self.held: set[int] = set()  # see note_region_inputs
 
     def _fix(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -132,12 +143,16 @@ class CaptureMode(TorchFunctionMode):
     def __enter__(self):
         if self._recorder is not None:
             self._recorder.__enter__()
+        if self.made is not None:
+            _recording.__dict__.setdefault("stack", []).append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            if self.made is not None:
+                _recording.stack.pop()
             if self._recorder is not None:
                 self._recorder.__exit__(*exc)
 
@@ -159,7 +174,7 @@ class CaptureMode(TorchFunctionMode):
         found = []
         for call, pos, ref in made:
             t = ref()
-            if t is not None and id(t) not in out_ids and carries_grad(t):
+            if t is not None and id(t) not in out_ids and id(t) not in self.held and carries_grad(t):
                 out_ids.add(id(t))
                 found.append(((call, pos), t))
         del made

@@ -30,7 +30,7 @@ from ._closures import reachable_tensors
 from ._describe import describe
 from ._errors import RematError
 
-__all__ = ["NeedsGraph", "keep_nothing", "random_in_vmap", "connect_side_outputs", "check_unsure",
+__all__ = ["NeedsGraph", "keep_nothing", "hooks_aside", "random_in_vmap", "connect_side_outputs", "check_unsure",
            "check_lazy_outputs"]
 
 _A = torch._C._autograd
@@ -40,6 +40,7 @@ _enable_hooks = _A._saved_tensors_hooks_enable
 _disable_hooks = _A._saved_tensors_hooks_disable
 _push_hooks = _A._push_saved_tensors_default_hooks
 _pop_hooks = _A._pop_saved_tensors_default_hooks
+_top_hooks = _A._top_saved_tensors_default_hooks
 
 
 class NeedsGraph(Exception):
@@ -63,23 +64,46 @@ def keep_nothing(name: str):
     side outputs); it is never differentiated, so what autograd would save
     there is dropped at once and the forward keeps no more memory than a
     forward without grad.  torch switches saved-tensor hooks off under its
-    grad levels; they are switched on for the region's own ops only.
+    grad levels; they are switched on for the region's own ops only.  A
+    ``torch.func`` transform the function calls refuses them (``NeedsGraph``:
+    the forward runs again without); a region nested in this one steps them
+    aside while it enters its own level (:func:`hooks_aside`).
     """
     was = _hooks_on()
     msg = _hooks_off_message() if not was else None
     if not was:
         _enable_hooks()
     _push_hooks(_discard, _never)
+    refused = False
     try:
         yield
     except RuntimeError as e:
-        if "don't yet support saved tensor hooks" in str(e):
-            raise NeedsGraph() from None
-        raise
+        if "don't yet support saved tensor hooks" not in str(e):
+            raise
+        # raised below, outside this handler: no __context__ holding the
+        # traceback (its frames would keep the forward's tensors alive)
+        refused = True
     finally:
         _pop_hooks()
         if not was:
             _disable_hooks(msg)
+    if refused:
+        raise NeedsGraph()
+
+
+@contextlib.contextmanager
+def hooks_aside():
+    """Step an enclosing region's :func:`keep_nothing` hooks aside (a nested
+    region enters its own ``torch.func`` level, which refuses hooks)."""
+    top = _top_hooks(False)
+    if top is None or top[0] is not _discard:
+        yield
+        return
+    _pop_hooks()
+    try:
+        yield
+    finally:
+        _push_hooks(*top)
 
 
 @contextlib.contextmanager

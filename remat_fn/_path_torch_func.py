@@ -33,12 +33,12 @@ import torch
 
 from ._autocast import AutocastState
 from ._budget import Measuring
-from ._captures import CaptureMode, MissedCapture
+from ._captures import CaptureMode, MissedCapture, note_region_inputs
 from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
 from ._describe import describe, describe_meta
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
-from ._func_semantics import NeedsGraph, check_lazy_outputs, check_unsure, connect_side_outputs, keep_nothing, random_in_vmap
+from ._func_semantics import NeedsGraph, check_lazy_outputs, check_unsure, connect_side_outputs, hooks_aside, keep_nothing, random_in_vmap
 from ._functorch import carries_grad, grad_wrappers, is_grad_kind, is_wrapped, live_levels, needs_grad, storage_ptr, unwrap_all, unwrap_if_dead
 from ._profile import active, storage_bytes
 from ._record import Record, saving
@@ -184,7 +184,7 @@ class _RematFunction(torch.autograd.Function):
                 return (tuple(t for t, d in zip(o, mask) if d) or (torch.zeros(()),),
                         tuple(t for t, d in zip(o, mask) if not d))
 
-            with saving(spec.rec, recompute=False):
+            with saving(spec.rec, recompute=False), hooks_aside():
                 douts, vjp_fn, aux = torch.func.vjp(f, *[tensors[i] for i in wrt], has_aux=True)
             del vjp_fn  # the level's graph: what it saved dies here
             rebuild, mask, saved, pos, refs = box.pop()
@@ -240,6 +240,7 @@ class _RematFunction(torch.autograd.Function):
         spec = inputs[0]
         ctx.spec = spec
         ctx.save_for_backward(*inputs[1:])
+        note_region_inputs(inputs[1:])  # an enclosing region's forward must not take them for side outputs
         ctx.save_for_forward(*inputs[1:])
         nd = [o for o, d in zip(output, spec.diff) if not d]
         if nd:

@@ -180,7 +180,10 @@ def test_forward_mode_over_dropout_equals_plain():
     got = _seeded(lambda: jvp(remat(_dropout_region), (X,), (t,)))
     want = _seeded(lambda: jvp(_dropout_region, (X,), (t,)))
     assert_tree_close(got, want, rtol=0, atol=0)
-    ck = _seeded(lambda: jvp(lambda x: torch.utils.checkpoint.checkpoint(_dropout_region, x, use_reentrant=False), (X,), (t,)))
+    try:  # torch's checkpoint gained forward-mode support after 2.11
+        ck = _seeded(lambda: jvp(lambda x: torch.utils.checkpoint.checkpoint(_dropout_region, x, use_reentrant=False), (X,), (t,)))
+    except NotImplementedError:
+        return
     assert_tree_close(ck, want, rtol=0, atol=0)
 
 
@@ -271,10 +274,8 @@ def test_float64_under_grad_a_weight_used_twice_in_two_regions():
 
 
 # -- Hugging Face BERT: attentions leave each layer through forward hooks ----------
-transformers = pytest.importorskip("transformers")
-
-
 def test_hf_bert_output_attentions_functional_training_step():
+    transformers = pytest.importorskip("transformers")
     cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                                   intermediate_size=64, vocab_size=64, max_position_embeddings=32,
                                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -373,3 +374,35 @@ def test_compile_over_remat_module_with_a_list_of_ops_policy():
         out.backward()
         grads.append((out.detach(), xx.grad))
     assert_tree_close(grads[0], grads[1], rtol=0, atol=0)
+
+
+def test_nested_regions_under_grad_run_the_forward_once():
+    # a region nested in another's forward enters its own torch.func level; torch
+    # (2.11+) refuses saved-tensor hooks there, so the enclosing forward's
+    # keep-nothing hooks step aside instead of making the forward run again
+    calls = {"f": 0, "g": 0}
+
+    def g(h):
+        calls["g"] += 1
+        return torch.tanh(h @ W)
+
+    rg = remat(g)
+
+    def f(x):
+        calls["f"] += 1
+        return rg(x.sin()).cos()
+
+    got = grad(lambda x: remat(f)(x).sum())(X)
+    # f: forward + recompute; g: forward, again in f's recompute, its own recompute
+    assert calls == {"f": 2, "g": 3}
+    torch.testing.assert_close(got, grad(lambda x: torch.tanh(x.sin() @ W).cos().sum())(X))
+
+
+def test_a_function_calling_torch_func_inside_a_region_under_grad():
+    # the forward level's keep-nothing hooks are refused by the inner grad: the
+    # forward runs again keeping what autograd saves, with the same result
+    def f(x):
+        return grad(lambda y: (y.sin() * x).sum())(x) * x
+
+    got = grad(lambda x: remat(f)(x).sum())(X)
+    torch.testing.assert_close(got, grad(lambda x: f(x).sum())(X))
