@@ -298,21 +298,31 @@ def test_hf_bert_output_attentions_functional_training_step():
 
 
 # -- hypothesis: the patterns the random programs missed ---------------------------
+_HOOKED = nn.Linear(3, 3).double()
+_HOOKED.register_forward_hook(lambda m, i, o: _HOOK_STORE.append(o) if _HOOK_STORE is not None else None)
+_HOOK_STORE: list | None = None
+
+
 @settings(max_examples=40, deadline=None)
-@given(twice=st.booleans(), detach_out=st.booleans(), nograd_view=st.booleans(), side=st.booleans(),
+@given(twice=st.booleans(), detach_out=st.booleans(), nograd_view=st.booleans(),
+       side=st.sampled_from([None, "list", "hook"]),
        gradmode_branch=st.booleans(), policy=st.sampled_from([None, "dots", "nothing"]),
        transform=st.sampled_from(["grad", "vmap_grad", "vjp", "eager"]))
 def test_hypothesis_identity_views_side_outputs_and_grad_mode(twice, detach_out, nograd_view, side,
                                                                gradmode_branch, policy, transform):
+    global _HOOK_STORE
     pol = {"dots": dots_saveable, "nothing": nothing_saveable}.get(policy)
     store: list = []
+    _HOOK_STORE = store if side == "hook" else None
 
     def f(a, b):
         h = torch.tanh(a @ W) * (2.0 if a is b else 1.0) + b
         if gradmode_branch and torch.is_grad_enabled():
             h = h * 1.5
-        if side:
+        if side == "list":
             store.append(h.sin())
+        elif side == "hook":
+            h = _HOOKED(h)  # the hook stores the layer's output outside the region
         outs = [h.cos()]
         if detach_out:
             outs.append(a.detach())
@@ -330,6 +340,13 @@ def test_hypothesis_identity_views_side_outputs_and_grad_mode(twice, detach_out,
 
     r = lambda f: remat(f, policy=pol)
     p = lambda f: f
+    try:
+        _compare(loss, r, p, transform)
+    finally:
+        _HOOK_STORE = None
+
+
+def _compare(loss, r, p, transform):
     if transform == "grad":
         got, want = grad(lambda x: loss(r, x))(X), grad(lambda x: loss(p, x))(X)
     elif transform == "vmap_grad":
@@ -347,10 +364,14 @@ def test_hypothesis_identity_views_side_outputs_and_grad_mode(twice, detach_out,
 
 @settings(max_examples=15, deadline=None)
 @given(randomness=st.sampled_from(["same", "different"]), p=st.sampled_from([0.2, 0.5]),
-       mode=st.sampled_from(["jvp", "jacfwd", "jvp_grad"]))
+       mode=st.sampled_from(["jvp", "jacfwd", "jvp_grad", "jacrev"]))
 def test_hypothesis_dropout_under_forward_mode(randomness, p, mode):
     g = lambda x: F.dropout(x.tanh(), p) * x.sin()
     t = torch.ones_like(X)
+    if mode == "jacrev":  # never a silent result: a RematError naming keys as the fix
+        with pytest.raises(RematError, match="remat_fn.random"):
+            jacrev(remat(g))(X)
+        return
     if mode == "jvp":
         run = lambda f: _seeded(lambda: jvp(f, (X,), (t,)))
     elif mode == "jacfwd":
