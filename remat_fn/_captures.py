@@ -29,16 +29,26 @@ from ._errors import mutated_input
 from ._functorch import carries_grad, is_wrapped, needs_grad, storage_ptr, unwrap_one
 from ._region import region_depth
 
-__all__ = ["CaptureMode", "MissedCapture", "note_region_inputs"]
+__all__ = ["CaptureMode", "MissedCapture", "note_region_inputs", "note_region_outputs"]
 
-_recording = threading.local()  # the CaptureModes recording a forward, innermost last
+_recording = threading.local()  # the active CaptureModes, innermost last
 
 
 def note_region_inputs(tensors) -> None:
     """A region nested in a forward keeps these tensors (its inputs) for its
     backward: they are alive after the enclosing forward without having left it."""
     for mode in getattr(_recording, "stack", ()):
-        mode.held.update(id(t) for t in tensors)
+        if mode.made is not None:
+            mode.held.update(id(t) for t in tensors)
+
+
+def note_region_outputs(tensors) -> None:
+    """A nested region returned these tensors: for the enclosing region's
+    :class:`CaptureMode` the call is one torch call that made them (no torch
+    function sees the ``autograd.Function`` that produced them)."""
+    stack = getattr(_recording, "stack", ())
+    if stack:
+        stack[-1].region_call(tensors)
 
 
 class MissedCapture(Exception):
@@ -143,16 +153,14 @@ class CaptureMode(TorchFunctionMode):
     def __enter__(self):
         if self._recorder is not None:
             self._recorder.__enter__()
-        if self.made is not None:
-            _recording.__dict__.setdefault("stack", []).append(self)
+        _recording.__dict__.setdefault("stack", []).append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            if self.made is not None:
-                _recording.stack.pop()
+            _recording.stack.pop()
             if self._recorder is not None:
                 self._recorder.__exit__(*exc)
 
@@ -190,6 +198,22 @@ class CaptureMode(TorchFunctionMode):
         arg_ids = {id(a) for a in args if isinstance(a, torch.Tensor)}
         return [(i, t) for i, t in enumerate(leaves) if id(t) not in arg_ids]
 
+    def region_call(self, outs) -> None:
+        """A region nested in this one returned ``outs`` (see note_region_outputs)."""
+        if region_depth() != self.depth + 1:
+            return
+        self._made(self.calls, outs, ())
+        self.calls += 1
+
+    def _made(self, call, out, args) -> None:
+        if self.made is not None:
+            self.made.extend((call, i, weakref.ref(t)) for i, t in self._made_tensors(out, args)
+                             if carries_grad(t))
+        elif self.grab is not None and call in self.grab:
+            made = dict(self._made_tensors(out, args))
+            for i in self.grab[call]:
+                self.grabbed[(call, i)] = made[i]
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         args = self._fix(args)
         kwargs = self._fix(kwargs) if kwargs else {}
@@ -204,13 +228,7 @@ class CaptureMode(TorchFunctionMode):
         if region_depth() == self.depth:
             call = self.calls
             self.calls = call + 1
-            if self.made is not None:
-                self.made.extend((call, i, weakref.ref(t)) for i, t in self._made_tensors(out, args)
-                                 if carries_grad(t))
-            elif self.grab is not None and call in self.grab:
-                made = dict(self._made_tensors(out, args))
-                for i in self.grab[call]:
-                    self.grabbed[(call, i)] = made[i]
+            self._made(call, out, args)
             if self.trace is not None:
                 self.trace.step(func, out, self.known is None, self.name)
         return out

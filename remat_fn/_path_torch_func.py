@@ -33,7 +33,7 @@ import torch
 
 from ._autocast import AutocastState
 from ._budget import Measuring
-from ._captures import CaptureMode, MissedCapture, note_region_inputs
+from ._captures import CaptureMode, MissedCapture, note_region_inputs, note_region_outputs
 from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
 from ._describe import describe, describe_meta
@@ -556,6 +556,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             if i < n:
                 base = every[j] if spec.diff[i] else every[j].detach()
                 outs[i] = base.as_strided(size, stride, offset)
+    note_region_outputs(outs)  # an enclosing region sees this call as one that made them
     result = spec.out_box[-1](outs)
     if any(spec.needs):
         check_lazy_outputs(spec, result)

@@ -427,3 +427,22 @@ def test_a_function_calling_torch_func_inside_a_region_under_grad():
 
     got = grad(lambda x: remat(f)(x).sum())(X)
     torch.testing.assert_close(got, grad(lambda x: f(x).sum())(X))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_side_channel_holding_a_nested_regions_output(policy):
+    # the inner region's output is made by its autograd.Function, which no torch
+    # function sees: the outer region counts the nested call as one that made it
+    side: list = []
+    inner = remat(lambda x: torch.tanh(x @ W))
+
+    def f(x):
+        h = inner(x)
+        side.append(h)
+        return h.sum()
+
+    def loss(x, wrap):
+        side.clear()
+        return wrap(f)(x) + side[0].pow(2).sum()
+
+    torch.testing.assert_close(grad(loss)(X, lambda f: remat(f, policy=policy)), grad(loss)(X, lambda f: f))
