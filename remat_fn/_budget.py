@@ -272,6 +272,10 @@ def callable_key(fn: Any, depth: int = 0) -> Any:
         return ("function", fn.__code__, tuple(cells))
     if isinstance(fn, torch.nn.Module):
         return _value_key(fn, depth)
+    d = getattr(fn, "__dict__", None)
+    wrapped = d.get("__wrapped__") if isinstance(d, dict) else None
+    if wrapped is not None and depth <= 3:  # a remat wrapper: what it wraps decides the ops
+        return ("wrapper", type(fn), callable_key(wrapped, depth + 1))
     return ("object", type(fn))
 
 

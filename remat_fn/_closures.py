@@ -259,9 +259,14 @@ def reachable_tensors(fn: Any) -> Reachable:
             for k, v in obj.items():
                 visit(v, depth + 1, obj if isinstance(v, torch.Tensor) else None, k)
             return
-        if isinstance(obj, types.ModuleType) or not _user_function(type(obj)):
+        if isinstance(obj, types.ModuleType):
             return
         d = getattr(obj, "__dict__", None)  # callable objects, dataclasses, ...
+        if not _user_function(type(obj)):
+            # a library's wrapper object (a remat wrapper) reaches what it wraps
+            if isinstance(d, dict) and "__wrapped__" in d:
+                visit(d["__wrapped__"], depth + 1)
+            return
         if isinstance(d, dict):
             for k, v in d.items():
                 visit(v, depth + 1, d if isinstance(v, torch.Tensor) else None, k)

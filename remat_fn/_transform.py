@@ -14,8 +14,11 @@ arguments normalised) that is handed to exactly one autograd path:
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
+import sys
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -26,11 +29,14 @@ from ._path_compile import run_compiled
 from ._path_hooks import NeedsTorchFuncPath, hooks_enabled, run_with_hooks
 from ._path_torch_func import run_torch_func
 from ._region import Options, RegionCall, entered, name_of
-from .policies import everything_saveable
+from .policies import everything_saveable, normalize_policy
 
-__all__ = ["remat", "checkpoint", "call_once", "make_wrapper"]
+__all__ = ["remat", "checkpoint", "call_once", "make_wrapper", "RematFunction"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# the class a list-of-ops policy is normalised to (its ops do not pickle: by name)
+_OP_LIST = type(normalize_policy(()))
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
@@ -78,7 +84,8 @@ def remat(
     - `debug`: record op traces so that a :class:`RecomputeMismatchError`
       shows both runs with user source lines.
 
-    **Returns:** a function with the signature of ``fun``.
+    **Returns:** a callable with the signature of ``fun`` (a :class:`RematFunction`:
+    it binds as a method, and ``copy.deepcopy``/``pickle`` copy ``fun`` with it).
 
     >>> import torch, remat_fn
     >>> f = remat_fn.remat(lambda x: torch.sin(x).sin())
@@ -129,34 +136,133 @@ def _check_fun(fun: Any, opts: Options) -> None:
             )
 
 
+class RematFunction:
+    """What ``remat(fun, ...)`` returns: calls ``fun`` as one rematerialised region.
+
+    A callable object rather than a closure, so that it copies and pickles with
+    what it wraps: ``copy.deepcopy`` deep-copies ``fun`` through the memo (a
+    module holding ``self.f = remat(self.sub)`` deep-copies into one whose
+    ``f`` calls the copy's ``sub``, not the original's), and ``pickle`` /
+    ``torch.save`` store ``fun`` and the options and rebuild the wrapper on
+    load.  A wrapper that is a module-level name (``@remat`` above a ``def``,
+    or a method in a class body) pickles by reference, as functions do.
+
+    It carries ``__name__``, ``__qualname__``, ``__doc__``, ``__module__`` and
+    ``__wrapped__`` (so :func:`inspect.signature` shows ``fun``'s signature)
+    and ``remat_options``, and binds as a method when it is a class attribute.
+    """
+
+    __slots__ = ("__dict__", "__weakref__", "_fun", "_name", "_opts", "_factory")
+    _fun: Any
+    _name: str
+    _opts: Options
+    _factory: Callable[..., Any] | None  # rebuilds it on unpickling: factory(fun, **remat_options)
+    __wrapped__: Any
+    __name__: str
+    __qualname__: str
+    remat_options: dict[str, Any]
+
+    def __call__(self, *args, **kwargs):
+        return run_region(RegionCall(self._fun, self._name, self._opts, args, kwargs))
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else types.MethodType(self, obj)
+
+    def __repr__(self) -> str:
+        return f"<remat_fn.remat of {self._fun!r}>"
+
+    def __copy__(self):
+        return self  # as for functions
+
+    def __deepcopy__(self, memo):
+        fun = copy.deepcopy(self._fun, memo)
+        if fun is self._fun:
+            return self  # a plain function: nothing to copy, as for functions
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.__wrapped__ = fun
+        new._fun, new._name, new._opts, new._factory = fun, self._name, self._opts, self._factory
+        return new
+
+    def __reduce_ex__(self, protocol):
+        if _is_global(self):
+            return self.__qualname__  # by reference, like a module-level function
+        if self._factory is None:
+            raise TypeError(
+                f"cannot pickle {self!r}: its saved-tensor hooks (remat_fn.distributed's "
+                "partitioning) cannot be rebuilt from its options. Fix: build the wrapper in "
+                "forward (or again after loading) instead of storing it on the pickled object; "
+                "copy.deepcopy works."
+            )
+        kwargs = dict(self.remat_options)
+        ops = None
+        if isinstance(kwargs.get("policy"), _OP_LIST):
+            # a list of ops travels by name (torch's op objects do not pickle)
+            ops = tuple(sorted(str(op) for op in kwargs.pop("policy").ops))
+        return (_rebuild, (self._factory, self._fun, kwargs, ops))
+
+
+class _SaveEverything(RematFunction):
+    """``remat(fun, policy=everything_saveable)``: saving everything autograd needs is
+    exactly what plain autograd does, so the call is plain (as in JAX, it keeps no
+    more than no remat); outer hooks (:mod:`remat_fn.distributed`) still store
+    what autograd saves."""
+
+    __slots__ = ()
+
+    def __call__(self, *args, **kwargs):
+        opts = self._opts
+        if opts.outer_hooks is None:
+            return self._fun(*args, **kwargs)
+        call = RegionCall(self._fun, self._name, opts, args, kwargs)
+        return _under(opts.outer_hooks(call), self._fun, *args, **kwargs)
+
+
+def _rebuild(factory: Callable[..., Any], fun: Any, kwargs: dict, ops: tuple[str, ...] | None = None) -> Any:
+    """Unpickling a :class:`RematFunction`: ``factory(fun, **kwargs)`` (``ops``: the
+    names of a list-of-ops policy, e.g. ``"aten.mm.default"``)."""
+    if ops is not None:
+        kwargs = dict(kwargs, policy=[functools.reduce(getattr, n.split("."), torch.ops) for n in ops])
+    return factory(fun, **kwargs)
+
+
+def _is_global(w: RematFunction) -> bool:
+    """``w`` is what its module's ``__qualname__`` names (so pickle can find it)."""
+    mod = sys.modules.get(getattr(w, "__module__", None) or "")
+    qualname = getattr(w, "__qualname__", "") or ""
+    if mod is None or "<locals>" in qualname or not qualname:
+        return False
+    obj: Any = mod
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return False
+    return obj is w
+
+
 def make_wrapper(fun: Any, opts: Options) -> Any:
-    """The function ``remat(fun, ...)`` returns, for validated ``opts``."""
+    """The :class:`RematFunction` ``remat(fun, ...)`` returns, for validated ``opts``."""
     _check_fun(fun, opts)
-    name = name_of(fun)
-
-    if opts.policy is everything_saveable:
-        # Saving everything autograd needs is exactly what plain autograd does:
-        # remat becomes a no-op, as in JAX (and keeps no more than no remat);
-        # outer hooks (remat_fn.distributed) still store what autograd saves.
-        def wrapper(*args, **kwargs):
-            if opts.outer_hooks is None:
-                return fun(*args, **kwargs)
-            call = RegionCall(fun, name, opts, args, kwargs)
-            return _under(opts.outer_hooks(call), fun, *args, **kwargs)
-    else:
-        def wrapper(*args, **kwargs):
-            return run_region(RegionCall(fun, name, opts, args, kwargs))
-
+    cls = _SaveEverything if opts.policy is everything_saveable else RematFunction
+    wrapper = object.__new__(cls)
+    # copy fun's attributes as functools.wraps does, but not a module's state (its
+    # parameters dict) or another wrapper's internals
+    copies_dict = not isinstance(fun, (torch.nn.Module, RematFunction))
     try:
-        functools.update_wrapper(wrapper, fun)
+        functools.update_wrapper(wrapper, fun, updated=("__dict__",) if copies_dict else ())
     except (AttributeError, TypeError):  # pragma: no cover
         pass
-    if not hasattr(wrapper, "__wrapped__"):
-        wrapper.__wrapped__ = fun  # type: ignore[attr-defined]
+    wrapper.__wrapped__ = fun
     if isinstance(fun, torch.nn.Module):
         wrapper.__name__ = type(fun).__name__
         wrapper.__qualname__ = type(fun).__qualname__
         wrapper.__doc__ = type(fun).__doc__
+        wrapper.__module__ = type(fun).__module__
+    wrapper._fun = fun
+    wrapper._name = name_of(fun)
+    wrapper._opts = opts
+    # what pickling rebuilds it with (None: it cannot be rebuilt from its public options)
+    wrapper._factory = remat if opts.outer_hooks is None else None
     wrapper.remat_options = opts.public()  # type: ignore[attr-defined]
     return wrapper
 

@@ -576,6 +576,26 @@ def test_no_process_group_is_plain_remat():
     torch.testing.assert_close(g, torch.func.grad(lambda x: _run([w.detach() for w in ws], x).sum())(x))
 
 
+def test_wrapper_deep_copies_with_what_it_wraps():
+    import copy
+    import pickle
+
+    # a module holding a distributed remat of its submodule: the copy calls its own submodule
+    holder = torch.nn.Module()
+    holder.sub = torch.nn.Linear(3, 3)
+    holder.f = rd.remat(holder.sub, min_bytes=4)
+    twin = copy.deepcopy(holder)
+    assert twin.f.__wrapped__ is twin.sub and twin.f.remat_options == holder.f.remat_options
+    assert twin.f._opts.outer_hooks is holder.f._opts.outer_hooks  # still partitions
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        holder.sub.weight.add_(1.0)
+    assert torch.equal(twin.f(x), twin.sub(x)) and not torch.equal(twin.f(x), holder.f(x))
+    # pickling is not supported yet (the partitioning hooks are a closure): a clear error
+    with pytest.raises(TypeError, match="cannot pickle"):
+        pickle.dumps(rd.remat(_block))
+
+
 def test_default_should_partition():
     w = torch.nn.Parameter(torch.randn(4, 4))
     leaf = torch.randn(4, 4, requires_grad=True)

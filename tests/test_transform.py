@@ -241,3 +241,126 @@ def test_partial_and_callable_object_closures_get_gradients():
     ref = grad(lambda w: f(x, w))(w)
     assert_tree_close(grad(lambda w: remat(functools.partial(f, w=w))(x))(w), ref)
     assert_tree_close(grad(lambda w: remat(Obj(w))(x))(w), ref)
+
+
+# -- the wrapper copies and pickles with what it wraps (issue 22) ---------------------
+
+
+class Holder(torch.nn.Module):
+    """A module holding ``remat(self.sub)`` as a plain attribute (not a submodule)."""
+
+    def __init__(self, policy=None):
+        super().__init__()
+        self.sub = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        self.f = remat(self.sub, policy=policy)
+
+    def forward(self, x):
+        return self.f(x).sin().sum()
+
+    @remat
+    def method(self, x):
+        """Docstring of method."""
+        return self.sub(x) * 2
+
+
+@remat
+def decorated_top(x, n: int = 2):
+    """Docstring of decorated_top."""
+    return x.sin() * n
+
+
+def _save_load(obj):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+@pytest.mark.parametrize("policy", [None, remat_fn.policies.dots_saveable, [torch.ops.aten.addmm.default]])
+def test_module_holding_remat_of_submodule_copies_and_loads_independently(how, policy):
+    import copy
+
+    torch.manual_seed(0)
+    model = Holder(policy)
+    twin = copy.deepcopy(model) if how == "deepcopy" else _save_load(model)
+    # the copy's wrapper calls the copy's submodule, with the same options
+    assert twin.f is not model.f and twin.f.__wrapped__ is twin.sub and twin.sub is not model.sub
+    assert twin.f.remat_options == model.f.remat_options or policy is not None and isinstance(policy, list)
+    x = torch.randn(3, 4)
+    plain = copy.deepcopy(model.sub)  # a plain (never rematerialised) copy: the reference
+
+    def grads(m, run):
+        m.zero_grad()
+        run(x).backward()
+        return [p.grad.clone() for p in m.parameters()]
+
+    ref = grads(plain, lambda x: plain(x).sin().sum())
+    assert_tree_close(grads(twin.sub, twin), ref, exact=True)
+    assert all(p.grad is None for p in model.parameters())  # the original was not touched
+    # under torch.func as well (functional_call swaps the copy's parameters in)
+    params = {k: v.detach() for k, v in twin.named_parameters()}
+    got = grad(lambda p: torch.func.functional_call(twin, p, (x,)))(params)
+    assert_tree_close(list(got.values()), ref)
+    # independent of the original: changing the original's weights changes nothing in the copy
+    before = twin(x).detach()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert torch.equal(twin(x), before) and not torch.equal(model(x), before)
+    assert_tree_close(grads(twin.sub, twin), ref, exact=True)
+
+
+def test_remat_method_binds_self_and_copies_with_the_instance():
+    import copy
+    import inspect
+    import pickle
+
+    torch.manual_seed(0)
+    m = Holder()
+    x = torch.randn(3, 4)
+    assert isinstance(Holder.__dict__["method"], remat_fn._transform.RematFunction)
+    assert Holder.method.__name__ == "method" and Holder.method.__doc__ == "Docstring of method."
+    assert Holder.method.__qualname__ == "Holder.method"
+    assert m.method.__self__ is m and list(inspect.signature(m.method).parameters) == ["x"]
+    assert torch.equal(m.method(x), m.sub(x) * 2)
+    for twin in (copy.deepcopy(m), _save_load(m), pickle.loads(pickle.dumps(m))):
+        with torch.no_grad():
+            twin.sub[0].weight.mul_(3)  # the copy's own weights are used
+        assert torch.equal(twin.method(x), twin.sub(x) * 2)
+        assert not torch.equal(twin.method(x), m.method(x))
+    # module-level wrappers pickle by reference, as functions do
+    assert pickle.loads(pickle.dumps(Holder.method)) is Holder.method
+    assert pickle.loads(pickle.dumps(decorated_top)) is decorated_top
+    assert copy.deepcopy(decorated_top) is decorated_top and copy.copy(decorated_top) is decorated_top
+    # a wrapper of a module-level function under another name pickles its function by reference
+    g = remat(f_doc, policy=remat_fn.policies.dots_saveable)
+    g2 = pickle.loads(pickle.dumps(g))
+    assert g2.__wrapped__ is f_doc and g2.remat_options == g.remat_options
+    assert list(inspect.signature(decorated_top).parameters) == ["x", "n"]
+    assert decorated_top.__name__ == "decorated_top" and decorated_top.__module__ == __name__
+
+
+def test_closure_over_a_remat_wrapper_reaches_its_tensors():
+    """A region whose function closes over another region's wrapper reaches the
+    tensors that wrapper closes over (they receive gradients under torch.func)."""
+    x = torch.randn(5)
+
+    def loss(w, wrap):
+        inner = wrap(lambda x: (x * w).sin())
+        outer = wrap(lambda x: inner(x).cos())
+        return outer(x).sum()
+
+    w = torch.randn(5)
+    ref = grad(lambda w: loss(w, lambda f: f))(w)
+    assert_tree_close(grad(lambda w: loss(w, remat))(w), ref)
+    wr = w.clone().requires_grad_()
+    loss(wr, remat).backward()
+    assert_tree_close(wr.grad, ref)
+    # what the outer region reaches (checked for in-place changes, put back for recompute)
+    from remat_fn._closures import reachable_tensors
+
+    inner = remat(lambda x: x * w)
+    assert id(w) in reachable_tensors(lambda x: inner(x).cos()).tensors
