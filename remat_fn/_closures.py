@@ -205,15 +205,19 @@ def reachable_tensors(fn: Any) -> Reachable:
             return
         seen.add(oid)
         if isinstance(obj, torch.nn.Module):
-            for sub in obj.modules():
+            # labelled with their module path (``block.attn.proj.weight``), rooted at the
+            # name the module was found under (a closure variable, a global, an attribute)
+            root = label if label is not None else key if isinstance(key, str) else ""
+            for path, sub in obj.named_modules(prefix=str(root)):
+                pre = f"{path}." if path else ""
                 for d in (sub._parameters, sub._buffers):
                     for k, t in d.items():
                         if t is not None:
-                            put(d, k, t)
+                            put(d, k, t, pre + k)
                 d = sub.__dict__
                 for k, v in d.items():  # plain tensor attributes, and tensors in containers
                     if isinstance(v, torch.Tensor):
-                        put(d, k, v)
+                        put(d, k, v, pre + k)
                     elif type(v) in _CONTAINERS and not k.startswith("_"):
                         visit(v, depth + 1)
             fwd = getattr(type(obj), "forward", None)

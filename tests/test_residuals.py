@@ -68,3 +68,52 @@ def test_print_format(capsys):
 def test_refused_inside_transform():
     with pytest.raises(remat_fn.RematError, match="outside"):
         torch.func.grad(lambda x: (saved_residuals(torch.sin, x), x.sum())[1])(torch.randn(2))
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(x).softmax(-1)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.fc1, self.fc2 = _Attn(), torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(self.attn(x)))) * self.scale
+
+
+def test_closed_over_parameters_are_named_by_module_path(capsys):
+    x = torch.randn(2, 4)
+
+    def closures(fun):
+        return [r.source for r in saved_residuals(fun, x) if r.kind == "closure"]
+
+    # a module rematerialised whole: its state_dict keys
+    blk = _Block()
+    paths = ["attn.proj.weight", "attn.proj.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "scale"]
+    assert sorted(closures(remat(blk))) == sorted(paths)
+    # found through a closure variable: rooted at the variable's name
+    block = blk
+    assert sorted(closures(lambda x: remat(lambda x: block(x))(x))) == sorted(f"block.{p}" for p in paths)
+    # an nn.Sequential inside a callable object's attribute
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+
+    class Net:
+        def __init__(self):
+            self.body = seq
+
+        def __call__(self, x):
+            return self.body(x)
+
+    assert sorted(closures(remat(Net()))) == ["body.0.bias", "body.0.weight", "body.2.bias", "body.2.weight"]
+    remat_fn.print_saved_residuals(remat(seq), x)
+    out = capsys.readouterr().out
+    assert "f32[4,4] closed over as 0.weight" in out and "f32[4] closed over as 2.bias" in out
+    assert "closed over as weight" not in out
