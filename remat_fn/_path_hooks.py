@@ -29,6 +29,7 @@ from ._debug import OpTrace, format_traces
 from ._describe import describe_meta
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_input
 from ._functorch import forward_mode_active, storage_ptr
+from ._offload import hooks_for_inputs, input_offloads, report_inputs, requesting, unaliased
 from ._profile import active, storage_bytes, timer
 from ._record import Record, paused, saving
 from ._region import RegionCall
@@ -99,6 +100,7 @@ class _Frame:
         "fun", "args", "kwargs", "name", "rng", "meta", "handles", "recomputed",
         "debug", "fwd_trace", "reach", "stash", "rec", "autocast", "in_forward", "strict",
         "input_ids", "outer", "nhandles", "saved_ptrs", "inner_backward", "prof", "prof_saved",
+        "offload_ids",
     )
 
     def __init__(self, fun, args, kwargs, name, debug):
@@ -132,6 +134,7 @@ class _Frame:
         self.outer = None  # the enclosing saved-tensor hooks, if any
         self.nhandles = 0  # saved tensors that need recomputation
         self.saved_ptrs: dict[int, int] = {}  # storages autograd saved -> bytes (see Record.prune)
+        self.offload_ids: dict = {}  # id of an input -> the Offload its policy decided for it
 
     def stash_inputs(self, hooks) -> None:
         pack, unpack = hooks
@@ -168,6 +171,8 @@ class _Frame:
             self.saved_ptrs[ptr] = nbytes = t.untyped_storage().nbytes()
             if type(rec.policy) is Measuring:  # memory_budget's first call
                 rec.policy.note_saved(ptr, nbytes)
+            if ptr in rec.pending:  # a value its policy offloads: copy it now
+                rec.commit(ptr)
             if self.outer is None and ptr in rec.kept_ptrs:
                 # the policy keeps it anyway: autograd holds it as is, so backward
                 # needs no recomputation for it (and keeps no extra copy).  Without
@@ -176,7 +181,8 @@ class _Frame:
                 # outlives a graph dropped without backward until gc runs.
                 self.handles.append(_DEAD)
                 return _Direct(t.detach() if t.grad_fn is not None else t)
-        if self.outer is None and (id(t) in self.input_ids or (t.is_leaf and t.requires_grad)):
+        if self.outer is None and id(t) not in self.offload_ids and (
+                id(t) in self.input_ids or (t.is_leaf and t.requires_grad)):
             # An input or a parameter is alive anyway: keep it as plain autograd
             # does, so a backward that needs only such tensors recomputes
             # nothing.  (Under enclosing hooks the region's inputs are stored
@@ -354,6 +360,7 @@ def run_with_hooks(call: RegionCall) -> Any:
         policy.note_inputs(storage_ptr(t) for t in tensors if t.grad_fn is not None)
     if policy is not None and not forward_mode_active():
         frame.rec = Record(policy)
+        frame.offload_ids = {id(tensors[i]): d for i, d in input_offloads(policy, tensors).items()}
     _push_hooks(frame.pack, frame.unpack)
     try:
         with saving(frame.rec, recompute=False):
@@ -376,6 +383,8 @@ def run_with_hooks(call: RegionCall) -> Any:
         frame.in_forward = False
         frame.rng = None
         frame.recomputed.clear()
+    if frame.rec is not None:
+        frame.rec.hint_outputs(optree.tree_leaves(out))
     if frame.nhandles:
         for x, v in in_versions:
             if x._version != v:
@@ -385,9 +394,13 @@ def run_with_hooks(call: RegionCall) -> Any:
         # torch.func.functional_call) they are swapped back before backward.
         others = [x for x in leaves if not isinstance(x, torch.Tensor)]
         frame.reach = reachable_tensors((fun, others) if others else fun)
-        if outer is not None:
-            frame.stash_inputs(outer)
+        offl = frame.offload_ids = unaliased(frame.offload_ids, tensors, out)
+        if outer is not None:  # (remat_fn.distributed offloads the slice it keeps)
+            frame.stash_inputs(requesting(outer, offl, frame.rec.offloader) if offl else outer)
             frame.reach.record_versions()
+        elif offl:  # the offloaded inputs come back with the recomputation
+            frame.stash_inputs(hooks_for_inputs(offl, frame.rec.offloader))
+            frame.reach.record_versions([t for t in tensors if id(t) not in offl])
         else:
             frame.reach.record_versions(tensors)
         if frame.rec is not None:
@@ -400,6 +413,7 @@ def run_with_hooks(call: RegionCall) -> Any:
             if sink is not None:
                 for key, _, t, kind, nm in frame.rec.kept():
                     sink.append((t, kind, nm, f"aten.{key[0].overloadpacket.__name__}"))
+                report_inputs(sink, tensors, offl)
             if outer is not None and frame.rec.entries:
                 frame.rec.stash_through(outer)  # the enclosing hooks check versions
             else:
@@ -420,8 +434,10 @@ def _report(frame: _Frame, prof, start: float, in_versions) -> None:
     seconds = time.perf_counter() - start
     saved, frame.prof_saved = frame.prof_saved, None
     kept = [t for t, direct in saved if direct]  # what autograd holds as is (see _Frame.pack)
-    if frame.nhandles:  # the region may be recomputed: it holds its inputs
-        kept += [x for x, _ in in_versions]
+    if frame.nhandles:  # the region may be recomputed: it holds its inputs (or their offloaded copies)
+        kept += [x for x, _ in in_versions if id(x) not in frame.offload_ids]
+    offloaded = None
     if frame.rec is not None:
-        kept += [t for _, _, t, _, _ in frame.rec.kept()]
-    prof.record_call(frame.name, seconds, storage_bytes(kept), storage_bytes(t for t, _ in saved))
+        kept += [t for _, _, t, kind, _ in frame.rec.kept() if kind == "saved"]
+        offloaded = frame.rec.offloader.bytes_by_dst()
+    prof.record_call(frame.name, seconds, storage_bytes(kept), storage_bytes(t for t, _ in saved), offloaded)

@@ -40,6 +40,7 @@ from ._describe import describe, describe_meta
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._func_semantics import NeedsGraph, check_lazy_outputs, check_unsure, connect_side_outputs, hooks_aside, keep_nothing, random_in_vmap
 from ._functorch import carries_grad, grad_wrappers, is_grad_kind, is_wrapped, live_levels, needs_grad, storage_ptr, unwrap_all, unwrap_if_dead
+from ._offload import FuncInputs, hint, input_offloads
 from ._profile import active, storage_bytes
 from ._record import Record, saving
 from ._region import RegionCall
@@ -59,7 +60,8 @@ class _RegionState:
 
     __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "reach",
                  "fwd_hits", "rec", "needs", "trace", "views", "autocast", "produced", "prof",
-                 "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure")
+                 "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
+                 "offload")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -91,6 +93,7 @@ class _RegionState:
         self.produced: set[int] | None = None  # see CaptureMode
         self.prof = None  # the remat_fn.profile() active at forward, if any
         self.plain_bytes = 0  # what plain autograd would save (measured while profiling)
+        self.offload: FuncInputs | None = None  # inputs the policy offloads (remat_fn._offload)
 
     def call(self, tensors, known: set[int] | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
@@ -214,7 +217,7 @@ class _RematFunction(torch.autograd.Function):
                 # region's outputs: alive anyway (usually the next region's input),
                 # and this path always recomputes up to them
                 keep_ptrs = set(saved) | {p for o in outs if (p := storage_ptr(o)) is not None}
-                spec.rec.prune(keep_ptrs)
+                spec.rec.prune(keep_ptrs, set(saved))  # an offloaded output: recomputed, not copied
                 if isinstance(spec.rec.policy, Measuring):  # memory_budget's first call
                     spec.rec.policy.finish(saved)
         else:
@@ -225,6 +228,8 @@ class _RematFunction(torch.autograd.Function):
         spec.n_out = len(outs) - len(spec.escaped)
         spec.diff = [_is_diff(o) for o in outs] if mask is None else mask
         if spec.rec is not None:
+            if spec.offload is not None:
+                spec.offload.hints = spec.rec.hint_outputs(outs)
             spec.rec.producer = {}
             spec.rec.seal(outs)
         spec.views = _input_views(outs, tensors)
@@ -239,7 +244,10 @@ class _RematFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         spec = inputs[0]
         ctx.spec = spec
-        ctx.save_for_backward(*inputs[1:])
+        if spec.offload is not None:  # offloaded inputs are kept as copies (None saved here)
+            ctx.save_for_backward(*spec.offload.save(inputs[1:], output, spec.rec and spec.rec.offloader))
+        else:
+            ctx.save_for_backward(*inputs[1:])
         note_region_inputs(inputs[1:])  # an enclosing region's forward must not take them for side outputs
         ctx.save_for_forward(*inputs[1:])
         nd = [o for o, d in zip(output, spec.diff) if not d]
@@ -401,7 +409,8 @@ def _saved(ctx, spec: _RegionState):
     try:
         # A vjp_fn called after its level exited hands us dead wrappers; a new
         # level created inside this backward may reuse their level number.
-        return tuple(unwrap_if_dead(t) for t in ctx.saved_tensors)
+        saved = tuple(unwrap_if_dead(t) if t is not None else None for t in ctx.saved_tensors)
+        return saved if spec.offload is None else spec.offload.restore(saved)
     except RuntimeError as e:
         if "inplace" in str(e) or "version" in str(e):
             raise MutatedSavedTensorError(
@@ -505,6 +514,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         spec.keep_graph = keep_graph
         if policy is not None:
             spec.rec = Record(policy)
+            spec.offload = FuncInputs(input_offloads(policy, inputs))
         spec.needs = [grad_mode and needs_grad(t) and _is_diff(t) for t in (*inputs, *captured)]
         spec.prof = prof
         # forward mode runs the Function's jvp inside apply: it replays the
@@ -537,12 +547,14 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             continue
         break
     spec.rng = snap if snap is not None and snap.finish() else None
-    reach.record_versions(inputs)
+    off = spec.offload
+    reach.record_versions(off.kept_inputs(inputs) if off is not None else inputs)
     if prof is not None:
-        kept = [*inputs, *captured]
+        kept = [*(off.kept_inputs(inputs) if off is not None else inputs), *captured]
         if spec.rec is not None:
-            kept += [t for _, _, t, _, _ in spec.rec.kept()]
-        prof.record_call(name, time.perf_counter() - start, storage_bytes(kept), spec.plain_bytes)
+            kept += [t for _, _, t, kind, _ in spec.rec.kept() if kind == "saved"]
+        prof.record_call(name, time.perf_counter() - start, storage_bytes(kept), spec.plain_bytes,
+                         spec.rec.offloader.bytes_by_dst() if spec.rec is not None else None)
     n = spec.n_out
     outs, side = list(outs[:n]), outs[n:]
     if side:
@@ -556,6 +568,12 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             if i < n:
                 base = every[j] if spec.diff[i] else every[j].detach()
                 outs[i] = base.as_strided(size, stride, offset)
+    if off is not None:
+        for o, h in zip(outs, off.hints):
+            if h is not None:
+                hint(o, h)  # the next region may offload it (see Record.hint_outputs)
+        if off.stored:
+            call.drop_tensors()  # the call must not keep the offloaded inputs alive
     note_region_outputs(outs)  # an enclosing region sees this call as one that made them
     result = spec.out_box[-1](outs)
     if any(spec.needs):

@@ -2,9 +2,11 @@
 
 While the context manager is active, every remat region records, per call:
 the forward time, the time spent recomputing it in backward, the bytes it keeps
-for backward (its tensor inputs when it may be recomputed, the values its
-policy keeps, and what autograd holds of it directly) and the bytes a plain
-call would have kept (every tensor autograd saves, counted once per storage).
+for backward on the compute device (its tensor inputs when it may be
+recomputed, the values its policy keeps, and what autograd holds of it
+directly), the bytes it keeps offloaded, by destination (values and inputs its
+policy offloads), and the bytes a plain call would have kept (every tensor
+autograd saves, counted once per storage).
 Regions are grouped by name.  Works on both autograd paths.
 
 >>> import torch, remat_fn
@@ -43,6 +45,8 @@ class RegionStats:
     recompute_s: float = 0.0
     kept_bytes: int = 0
     plain_bytes: int = 0
+    #: bytes kept offloaded, by destination device (``{"cpu": ...}``); not in ``kept_bytes``
+    offloaded_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def saved_fraction(self) -> float:
@@ -63,13 +67,16 @@ class Profile:
             r = self.regions[name] = RegionStats(name)
         return r
 
-    def record_call(self, name: str, seconds: float, kept: int, plain: int) -> None:
+    def record_call(self, name: str, seconds: float, kept: int, plain: int,
+                    offloaded: dict[str, int] | None = None) -> None:
         with self._lock:
             r = self._get(name)
             r.calls += 1
             r.forward_s += seconds
             r.kept_bytes += kept
             r.plain_bytes += plain
+            for dst, n in (offloaded or {}).items():
+                r.offloaded_bytes[dst] = r.offloaded_bytes.get(dst, 0) + n
 
     def record_recompute(self, name: str, seconds: float) -> None:
         with self._lock:
@@ -79,13 +86,20 @@ class Profile:
 
     def table(self) -> str:
         """The report as a Markdown table."""
-        rows = ["| region | calls | forward (ms) | recomputes | recompute (ms) | kept (MiB) | plain (MiB) | kept/plain |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        off = any(r.offloaded_bytes for r in self.regions.values())
+        rows = ["| region | calls | forward (ms) | recomputes | recompute (ms) | kept (MiB) | plain (MiB) | kept/plain |"
+                + (" offloaded (MiB) |" if off else ""),
+                "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---|" if off else "")]
+
+        def offl(d: dict[str, int]) -> str:
+            return (" " + (", ".join(f"{n / 2**20:.3f} to {dst}" for dst, n in sorted(d.items())) or "0")
+                    + " |") if off else ""
+
         for r in self.regions.values():
             rows.append(
                 f"| {r.name} | {r.calls} | {r.forward_s * 1e3:.2f} | {r.recomputes} | "
                 f"{r.recompute_s * 1e3:.2f} | {r.kept_bytes / 2**20:.3f} | "
-                f"{r.plain_bytes / 2**20:.3f} | {r.saved_fraction:.2f} |")
+                f"{r.plain_bytes / 2**20:.3f} | {r.saved_fraction:.2f} |" + offl(r.offloaded_bytes))
         total_k = sum(r.kept_bytes for r in self.regions.values())
         total_p = sum(r.plain_bytes for r in self.regions.values())
         rows.append(f"| total | {sum(r.calls for r in self.regions.values())} | "
@@ -93,8 +107,16 @@ class Profile:
                     f"{sum(r.recomputes for r in self.regions.values())} | "
                     f"{sum(r.recompute_s for r in self.regions.values()) * 1e3:.2f} | "
                     f"{total_k / 2**20:.3f} | {total_p / 2**20:.3f} | "
-                    f"{total_k / total_p if total_p else 0.0:.2f} |")
+                    f"{total_k / total_p if total_p else 0.0:.2f} |" + offl(self.offloaded_bytes()))
         return "\n".join(rows)
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        """Bytes kept offloaded over all regions, by destination."""
+        out: dict[str, int] = {}
+        for r in self.regions.values():
+            for dst, n in r.offloaded_bytes.items():
+                out[dst] = out.get(dst, 0) + n
+        return out
 
     def __str__(self) -> str:
         return self.table()
@@ -112,7 +134,8 @@ class Profile:
 
 def profile() -> Profile:
     """A context manager recording, per remat region, calls, forward and
-    recompute time, bytes kept for backward and bytes a plain call would keep.
+    recompute time, bytes kept for backward (on the device, and offloaded by
+    destination: ``RegionStats.offloaded_bytes``) and bytes a plain call would keep.
 
     ``with remat_fn.profile() as prof: ...`` then ``print(prof)`` (a Markdown
     table) or read ``prof.regions``.

@@ -27,7 +27,7 @@ from ._describe import describe
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError
 from ._functorch import forward_mode_active, storage_ptr
 from ._functorch import unwrap_all as _base
-from ._offload import Offloader
+from ._offload import Offloader, Stored, hint, meta_args, tag_name
 from ._residuals import residual_sink
 from .policies import NAMED, Offload, PolicyContext, decide
 
@@ -71,6 +71,18 @@ class _Entry:
         self.name: str | None = None
 
 
+class _Pending:
+    """A value the policy offloads, not copied yet: only once autograd saves it
+    (or the forward ends and it was saved) is a copy made, so backward fetches
+    every copy there is."""
+
+    __slots__ = ("t", "d")
+
+    def __init__(self, t, d: Offload):
+        self.t = t
+        self.d = d
+
+
 class Record:
     """Policy state of one region call: decisions and what is kept."""
 
@@ -87,6 +99,8 @@ class Record:
         self.paused = 0  # > 0 while a recomputation runs inside the forward
         self.versions: list = []  # (kept tensor, version after the forward)
         self.kept_ptrs: set[int] = set()  # storages of the values decided "save"
+        self.pending: dict[int, list] = {}  # storage -> [(op key, index)] of offloads not copied yet
+        self.offload_ops: dict[tuple, tuple] = {}  # op key -> (op, meta args) of ops decided "offload"
 
     # -- forward -------------------------------------------------------------
     def before_mutation(self, func, args, kwargs) -> None:
@@ -114,6 +128,9 @@ class Record:
                 e.out = optree.tree_map(fix, e.out, none_is_leaf=True)
             for i in list(e.parts):
                 e.parts[i] = fix(e.parts[i])
+            for p in e.offloaded.values():
+                if type(p) is _Pending:
+                    p.t = fix(p.t)
 
     def after_op(self, func, key, args, kwargs, out) -> None:
         leaves = out if type(out) in (tuple, list) else (out,)
@@ -137,6 +154,7 @@ class Record:
             e.out = _kept(out)
             self.kept_ptrs.update(storage_ptr(t) for t in leaves if isinstance(t, torch.Tensor))
         elif isinstance(d, Offload):
+            self.offload_ops[key] = (func, meta_args(args, kwargs))
             self._offload(key, leaves, range(len(leaves)), d)
 
     def _offload(self, key, leaves, idxs, d: Offload, name=None) -> None:
@@ -150,8 +168,33 @@ class Record:
             if d.src is not None and t.device.type != torch.device(d.src).type:
                 e.parts[i] = t  # not on the offload source: just keep it
                 continue
-            e.offloaded[i] = self.offloader.put(t, torch.device(d.dst))
+            e.offloaded[i] = _Pending(t, d)
+            self.pending.setdefault(storage_ptr(t), []).append((key, i))
         e.name = name or e.name
+
+    def commit(self, ptr: int | None) -> None:
+        """Autograd saved the storage ``ptr``: copy the offloads pending on it now."""
+        for key, i in self.pending.pop(ptr, ()):
+            e = self.entries.get(key)
+            p = e.offloaded.get(i) if e is not None else None
+            if type(p) is _Pending:
+                e.offloaded[i] = self.offloader.put(p.t, torch.device(p.d.dst), p.d.contiguous)
+
+    def hint_outputs(self, outputs) -> list:
+        """For each of the region's output tensors, the op that made it if the policy
+        offloaded that op (``(op, meta args)``, else None), and tag the tensor with it:
+        the region it enters next asks its policy whether to offload it there."""
+        out = []
+        for o in outputs:
+            info = None
+            if isinstance(o, torch.Tensor):
+                where = self.producer.get(id(_base(o)))
+                if where is not None and where[3]() is _base(o):
+                    info = self.offload_ops.get(where[0])
+                if info is not None:
+                    hint(o, info)
+            out.append(info)
+        return out
 
     def named(self, t: torch.Tensor, name: str) -> None:
         base = _base(t)
@@ -225,19 +268,28 @@ class Record:
             for i, t in e.parts.items():
                 yield key, i, t, "saved", e.name
             for i, h in e.offloaded.items():
-                yield key, i, h[0], "offloaded", e.name
+                yield key, i, h.host if type(h) is Stored else h.t, "offloaded", e.name
 
-    def prune(self, saved: set[int]) -> None:
-        """Keep only values autograd itself saved (``saved``: their storages).
+    def prune(self, saved: set[int], offload: set[int] | None = None) -> None:
+        """Keep only values autograd itself saved (``saved``: their storages;
+        ``offload``: the storages an offloaded value must be among, default ``saved``).
 
         A policy decides which values *may* be kept; a value autograd did not
         save would only add to what backward holds: the recomputation still has
         to materialise the values autograd needs, so keeping it would raise the
         region's backward peak above plain autograd's.  Dropped values are
-        recomputed.
+        recomputed.  Offloads are copied now (unless already copied when autograd
+        saved them): never a copy that backward does not fetch.
         """
+        offload = saved if offload is None else offload
+        for ptr in list(self.pending):
+            if ptr in offload:
+                self.commit(ptr)
+        self.pending = {}
         for key in list(self.entries):
             e = self.entries[key]
+            for i in [i for i, h in e.offloaded.items() if type(h) is _Pending]:
+                del e.offloaded[i]
             if e.out is not None:
                 leaves = e.out if type(e.out) in (tuple, list) else (e.out,)
                 if not any(isinstance(t, torch.Tensor) and storage_ptr(t) in saved for t in leaves):
@@ -252,6 +304,10 @@ class Record:
         memory a kept value shares.  (The tensors a dispatch mode sees do not share
         version counters with the ones autograd hands out, so the check goes
         through the outputs, the only tensors of the region a caller can modify.)"""
+        self.pending = {}
+        for e in self.entries.values():  # offloads never saved (no prune ran): no copy
+            for i in [i for i, h in e.offloaded.items() if type(h) is _Pending]:
+                del e.offloaded[i]
         kept = {storage_ptr(t) for _, _, t, kind, _ in self.kept() if kind == "saved"}
         kept.discard(None)
         if not kept:
@@ -276,9 +332,7 @@ class Record:
                 )
 
     def prefetch(self) -> None:
-        for e in self.entries.values():
-            for h in e.offloaded.values():
-                self.offloader.prefetch(h)
+        self.offloader.begin(recompute=True)
 
     def replay(self, func, key, args, kwargs):
         e = self.entries.get(key)
@@ -414,6 +468,9 @@ def checkpoint_name(x: Any, name: str) -> Any:
     """
     if not isinstance(name, str):
         raise TypeError(f"checkpoint_name expects a string name, got {name!r}")
+    for t in optree.tree_leaves(x):
+        if isinstance(t, torch.Tensor):
+            tag_name(t, name)  # asked about when it enters a region (offload_inputs, name policies)
     sink = residual_sink()
     if sink is not None:  # saved_residuals is running: report the name, as JAX does
         for t in optree.tree_leaves(x):

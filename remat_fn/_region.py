@@ -228,6 +228,17 @@ class RegionCall:
             return self.opts.policy
         return planner.policy_for(self.fun, self.all_tensors() if tensors is None else tensors, path)
 
+    def drop_tensors(self) -> None:
+        """Forget the argument tensors (:meth:`run` takes replacements), so that the
+        call, which lives as long as the region's graph, does not keep offloaded
+        inputs alive on their device."""
+        if self._leaves is None:
+            self._flatten()
+        for i in self._tpos:
+            self._leaves[i] = None  # type: ignore[index]
+        self.args = (None,) * len(self.args)
+        self.kwargs = {}
+
     # -- running -------------------------------------------------------------
     def run(self, tensors) -> tuple[tuple[torch.Tensor, ...], Callable[[Any], Any]]:
         """Call the function with ``tensors`` in place of :attr:`inputs`; returns

@@ -161,15 +161,18 @@ def saved_residuals(fun: Any, *args: Any, **kwargs: Any) -> list[Residual]:
 
     names: dict[int, str] = {}
     offloaded: list[tuple[torch.Tensor, str | None, str | None]] = []
+    offloaded_inputs: dict[int, tuple[str | None, str]] = {}  # storage -> (name, destination)
     for t, kind, name, op in sink:
         ptr = t.untyped_storage().data_ptr()
         if name:
             names[ptr] = name
         if kind == "offloaded":
             offloaded.append((t, name, op))
+        elif kind == "offloaded_input":  # a region's argument, kept on `op` (its destination)
+            offloaded_inputs[ptr] = (name, op)
 
     res: list[Residual] = []
-    seen: set[int] = set()
+    seen: set = set()  # storages, and (storage, offset) of offloaded copies
     for t in kept:
         st = t.untyped_storage()
         ptr = st.data_ptr()
@@ -179,7 +182,12 @@ def saved_residuals(fun: Any, *args: Any, **kwargs: Any) -> list[Residual]:
         def residual(kind: str, name: str | None, op: str | None, source: str | None) -> Residual:
             return Residual(tuple(t.shape), t.dtype, t.device, st.nbytes(), kind, name, op, source)
 
-        if ptr in arg_src:
+        if ptr in offloaded_inputs:
+            name, dst = offloaded_inputs[ptr]
+            op, src = prod.by_storage.get(ptr, (None, None))
+            res.append(Residual(tuple(t.shape), t.dtype, torch.device(dst), t.numel() * t.element_size(),
+                                "offloaded", name or names.get(ptr), op, arg_src.get(ptr, src)))
+        elif ptr in arg_src:
             res.append(residual("argument", None, None, arg_src[ptr]))
         elif ptr in closures:
             res.append(residual("closure", None, None, sc.labels.get(id(closures[ptr]), "a closed-over tensor")))
@@ -194,12 +202,13 @@ def saved_residuals(fun: Any, *args: Any, **kwargs: Any) -> list[Residual]:
                             nbytes=t.untyped_storage().nbytes(), kind="closure", name=None, op=None,
                             source=sc.labels.get(id(t), "a closed-over tensor")))
     for t, name, op in offloaded:
-        st = t.untyped_storage()
-        if st.data_ptr() in seen:
+        # offloaded copies live in pooled buffers (one storage may hold several): their own bytes
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
             continue
-        seen.add(st.data_ptr())
-        res.append(Residual(shape=tuple(t.shape), dtype=t.dtype, device=t.device, nbytes=st.nbytes(),
-                            kind="offloaded", name=name, op=op, source=None))
+        seen.add(key)
+        res.append(Residual(shape=tuple(t.shape), dtype=t.dtype, device=t.device,
+                            nbytes=t.numel() * t.element_size(), kind="offloaded", name=name, op=op, source=None))
     return res
 
 

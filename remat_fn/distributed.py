@@ -91,6 +91,7 @@ import torch.distributed as dist
 from ._describe import describe_meta
 from ._errors import RematError
 from ._functorch import transforms_active
+from ._offload import Stored, take_request
 from ._path_hooks import hooks_enabled
 from ._region import Options, RegionCall
 from ._transform import make_wrapper
@@ -104,7 +105,7 @@ _set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", lambda
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
 
 # Counters for tests and benchmarks (per process; not part of the API).
-_stats = {"partitioned": 0, "kept": 0, "gathers": 0, "gathered_bytes": 0, "prefetched": 0}
+_stats = {"partitioned": 0, "kept": 0, "gathers": 0, "gathered_bytes": 0, "prefetched": 0, "offloaded": 0}
 
 
 def _reset_stats() -> None:
@@ -244,6 +245,8 @@ class _Part:
         shard = self.shard
         if self.outer_unpack is not None:
             shard = self.outer_unpack(shard)
+        elif type(shard) is Stored:  # offloaded (offload_inputs): back on the device first
+            shard = shard.fetch()
         buf = torch.empty(self.chunk * self.size, dtype=torch.uint8, device=self.device)
         self.stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         self.work = _gather_fn()(buf, shard, group=self.group, async_op=True)
@@ -343,6 +346,8 @@ class _Hooks:
 
     def pack(self, t: torch.Tensor):
         outer = self.outer
+        # the region offloads this argument (policies.offload_inputs): offload what is kept of it
+        put = take_request() if outer is None else None
         if self.should is not None:
             part = self.should(t)
         elif id(t) in self.input_ids:  # an argument of the region
@@ -353,6 +358,9 @@ class _Hooks:
                     and _non_overlapping(_collapse_broadcast(t)))
         if not (part and t.numel() * t.element_size() >= self.min_bytes):
             _stats["kept"] += 1
+            if put is not None:
+                _stats["offloaded"] += 1
+                return _Kept(put(t), Stored.fetch)
             if outer is None:
                 return _Kept(t, None)
             return _Kept(outer[0](t), outer[1])
@@ -391,6 +399,9 @@ class _Hooks:
             # compose: the slice itself goes through the enclosing hooks
             # (an enclosing remat region, save_on_cpu, ...)
             p.shard, p.outer_unpack = outer[0](shard), outer[1]
+        elif put is not None:  # DeepSpeed's partition_activations + cpu_checkpointing
+            p.shard, p.outer_unpack = put(shard), None
+            _stats["offloaded"] += 1
         else:
             p.shard, p.outer_unpack = shard, None
         batch = self.batch

@@ -8,6 +8,13 @@ object referring to that storage is garbage collected.  ``live`` is the bytes
 currently held by tensors created inside the meter; ``peak`` the maximum.
 Tensors that existed before the meter was entered are not counted.
 
+Values that remat regions offload (policies such as
+``offload_dot_with_no_batch_dims`` or ``offload_inputs``) live in pooled buffers
+on their destination; they are not op outputs and are not in ``live``.
+``offloaded`` reports the bytes held offloaded, by destination, for values
+offloaded while the meter was active (``offloaded_peak``: the maximum), and
+:func:`offload_pool_stats` what the pool has allocated.
+
 >>> import torch
 >>> from remat_fn.memory import LiveBytes
 >>> with LiveBytes() as m:
@@ -32,7 +39,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveBytes", "MiB", "return_freed_memory_to_os"]
+from . import _offload
+
+__all__ = ["LiveBytes", "MiB", "return_freed_memory_to_os", "offload_pool_stats", "clear_offload_pool"]
 
 MiB = 1 << 20
 
@@ -102,6 +111,7 @@ class LiveBytes:
     def __init__(self) -> None:
         self._c = _Counter()
         self._mode: _Mode | None = None
+        self._off = _offload.Meter()
 
     @property
     def live(self) -> int:
@@ -114,20 +124,57 @@ class LiveBytes:
         """Highest ``live`` value seen so far."""
         return self._c.peak
 
+    @property
+    def offloaded(self) -> dict[str, int]:
+        """Bytes held offloaded now, by destination device (``{"cpu": 24576}``), of
+        values remat regions offloaded while the meter was active."""
+        gc.collect()
+        return {k: v for k, v in self._off.live.items() if v}
+
+    @property
+    def offloaded_peak(self) -> dict[str, int]:
+        """Highest :attr:`offloaded` value seen so far, by destination."""
+        return dict(self._off.peak)
+
     def reset_peak(self) -> None:
         gc.collect()
         self._c.peak = self._c.live
+        self._off.peak = dict(self._off.live)
 
     def __enter__(self) -> LiveBytes:
         gc.collect()
         self._mode = _Mode(self._c)
         self._mode.__enter__()
+        _offload.add_meter(self._off)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         assert self._mode is not None
+        _offload.remove_meter(self._off)
         self._mode.__exit__(*exc)
         self._mode = None
+
+
+def offload_pool_stats() -> dict[str, int]:
+    """What offloading has allocated in this process.
+
+    ``allocations`` / ``allocated_bytes``: buffers made (the pool grows during
+    the first step and then stays put: a later step reuses them); ``reuses``:
+    buffers taken from the pool; ``reserved_bytes`` / ``in_use_bytes``: held by
+    the pool / by live offloaded values; ``arena_allocations``: contiguous
+    buffers (``contiguous=True``) made; ``to_dst`` / ``to_src`` /
+    ``bytes_to_dst`` / ``prefetched``: copies made, fetched and prefetched.
+    """
+    pool = _offload.POOL
+    return {**_offload.stats, "reserved_bytes": pool.reserved_bytes, "in_use_bytes": pool.in_use_bytes}
+
+
+def clear_offload_pool() -> None:
+    """Free the pooled offload buffers and contiguous arenas not in use (the next
+    step allocates again)."""
+    gc.collect()
+    _offload.POOL.clear()
+    _offload.Arena.clear_idle()
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number

@@ -9,7 +9,11 @@ It is called once per aten op that runs inside a region during the forward
 (``op`` is the ``OpOverload``, ``args``/``kwargs`` its arguments, and
 ``ctx.is_recompute`` is ``False``), and once per :func:`remat_fn.checkpoint_name`
 call, with ``op`` the :data:`NAMED` marker, ``args == (tensor,)`` and
-``kwargs == {"name": name}``.  ``True`` / ``MUST_SAVE`` / ``PREFER_SAVE`` save
+``kwargs == {"name": name}``.  Before the forward it is also asked about each
+floating-point tensor argument of the region, with ``op`` the :data:`INPUT`
+marker (``args == (tensor,)``, ``kwargs == {"name": name or None}``), if it has
+an ``offloads_inputs`` attribute that is true (:class:`offload_inputs` and
+combinators over it); only an offload answer changes anything there.  ``True`` / ``MUST_SAVE`` / ``PREFER_SAVE`` save
 the value (its op is not re-run in backward), ``False`` / ``PREFER_RECOMPUTE``
 recompute it, ``MUST_RECOMPUTE`` on a name forces recomputation even if an op
 rule saved it, and an :class:`Offload` (or torch's ``MUST_CPU_OFFLOAD``) moves
@@ -29,7 +33,7 @@ True
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
@@ -40,6 +44,7 @@ __all__ = [
     "CheckpointPolicy",
     "Offload",
     "NAMED",
+    "INPUT",
     "everything_saveable",
     "nothing_saveable",
     "dots_saveable",
@@ -52,6 +57,7 @@ __all__ = [
     "save_from_both_policies",
     "save_and_offload_only_these_names",
     "offload_dot_with_no_batch_dims",
+    "offload_inputs",
     "memory_budget",
     "DOT_OPS",
     "DOT_OPS_NO_BATCH",
@@ -73,6 +79,18 @@ class _Named:
 
 
 NAMED = _Named()
+
+
+class _Input:
+    """Marker passed as ``op`` when a policy is asked about a region's argument."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "remat_fn.policies.INPUT"
+
+
+INPUT = _Input()
 
 
 def _packets(*names: str) -> frozenset:
@@ -126,11 +144,15 @@ class Offload:
     """Decision: keep the value on ``dst`` (e.g. ``"cpu"``) until backward needs it.
 
     ``src`` restricts the offload to values living on that device type
-    (``None``: any); values elsewhere are simply saved.
+    (``None``: any); values elsewhere are simply saved.  ``contiguous``: the
+    copies of one step are carved out of one preallocated buffer per
+    destination (DeepSpeed's ``contiguous_memory_optimization``; with
+    ``dst`` the compute device itself, that buffer is on the device).
     """
 
     dst: str = "cpu"
     src: str | None = None
+    contiguous: bool = False
 
     def __post_init__(self) -> None:
         for what, dev in (("offload_dst", self.dst), ("offload_src", self.src)):
@@ -249,6 +271,11 @@ class save_from_both_policies:
     policy_1: Any
     policy_2: Any
 
+    @property
+    def offloads_inputs(self) -> bool:
+        """Asked about the region's arguments if either policy is (see :class:`offload_inputs`)."""
+        return any(getattr(p, "offloads_inputs", False) for p in (self.policy_1, self.policy_2))
+
     def __call__(self, ctx, op, *args, **kwargs):
 
         d1 = decide(self.policy_1, ctx, op, args, kwargs)
@@ -317,6 +344,71 @@ class offload_dot_with_no_batch_dims:
         if not _is_named(op) and _dot_without_batch_dims(op, args):
             return Offload(self.offload_dst, self.offload_src)
         return False
+
+
+def _is_activation(t: torch.Tensor) -> bool:
+    """Made by a recorded op (``grad_fn`` set) and not a view of a leaf: what only
+    the autograd graph keeps alive once the forward has moved on."""
+    if t.grad_fn is None:
+        return False
+    base = t._base
+    return base is None or base.grad_fn is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class offload_inputs:
+    """Offload the region's inputs (DeepSpeed's ``cpu_checkpointing``) and decide
+    everything else with ``policy``.
+
+    After the region's forward each floating-point tensor argument that is an
+    activation (made by recorded ops, not a leaf or a view of one; with
+    ``leaves=True`` every tensor argument except ``nn.Parameter``, DeepSpeed's
+    rule) of at least ``min_bytes`` bytes, living on ``offload_src``, is copied
+    to ``offload_dst``; the region keeps only that copy and brings it back when
+    backward recomputes the region.  On CUDA the copies go to pinned, pooled host
+    buffers on a side stream, and the next region's inputs are prefetched during
+    backward.  ``contiguous=True`` carves one step's copies out of one
+    preallocated buffer (``offload_dst=offload_src`` keeps them on the device:
+    DeepSpeed's ``contiguous_memory_optimization``).
+
+    >>> from remat_fn import policies
+    >>> p = policies.offload_inputs(policies.dots_saveable, offload_src="cpu", offload_dst="cpu")
+    >>> p.policy is policies.dots_saveable
+    True
+    """
+
+    policy: Any = None
+    offload_src: str = "cuda"
+    offload_dst: str = "cpu"
+    min_bytes: int = 0
+    leaves: bool = False
+    contiguous: bool = False
+    #: asked about the region's arguments (``op`` is :data:`INPUT`); a custom
+    #: policy that answers that question sets this too
+    offloads_inputs: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.policy, memory_budget):
+            raise PolicyError(
+                "offload_inputs(memory_budget(...)) is not supported: the budget plans what a region "
+                "saves on its own. Fix: use memory_budget alone, or offload_inputs with another policy."
+            )
+        if isinstance(self.policy, (list, tuple, set, frozenset)):
+            object.__setattr__(self, "policy", _OpList(self.policy))
+        elif self.policy is not None:
+            normalize_policy(self.policy)  # validates now
+        if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int) or self.min_bytes < 0:
+            raise PolicyError(f"min_bytes must be a non-negative int, got {self.min_bytes!r}")
+        Offload(self.offload_dst, self.offload_src)
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        if op is INPUT:
+            t = args[0]
+            if (self.leaves or _is_activation(t)) and t.numel() * t.element_size() >= self.min_bytes:
+                return Offload(self.offload_dst, self.offload_src, self.contiguous)
+        if self.policy is None or self.policy is nothing_saveable:
+            return False
+        return self.policy(ctx, op, *args, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,8 @@ def test_byte_totals_match_meter(which):
     xr = x.clone().requires_grad_()
     with LiveBytes() as m:
         y = model(blk)({"x": xr})
-        live = m.live - y.untyped_storage().nbytes()
+        # offloaded copies live in pooled buffers, reported apart from op outputs
+        live = m.live + sum(m.offloaded.values()) - y.untyped_storage().nbytes()
     assert abs(inter - live) <= 0.01 * max(live, 1), (inter, live)
 
 
