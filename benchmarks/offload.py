@@ -7,9 +7,16 @@ region, one training step (forward + backward) eager and under
 - ``no remat``: plain autograd;
 - ``remat``: full recomputation; what stays on the device between forward and
   backward is the 8 block inputs;
-- ``remat + offload_inputs``: the same, with the block inputs copied to the host
-  (pinned, pooled buffers and a side stream on CUDA; synchronous copies on CPU);
-- ``remat + offload_inputs(contiguous)``: the copies carved out of one buffer.
+- ``offload_inputs()``: the same, with the block inputs copied to the host
+  (pinned, pooled buffers and a side stream on CUDA; synchronous copies on CPU):
+  DeepSpeed's ``checkpoint_in_cpu``, torchtune's ``OffloadActivations`` with
+  activation checkpointing;
+- ``offload_inputs(contiguous=True)``: the host copies carved out of one buffer;
+- ``offload_inputs(offload_dst=<device>, contiguous=True)``: the inputs kept on
+  the device, in one contiguous buffer (DeepSpeed's ``contiguous_checkpointing``);
+- ``offload_inputs(min_bytes=...)`` above the inputs' size: nothing offloaded
+  (torchtune's ``min_offload_size``);
+- ``remat`` inside ``remat_fn.profile()`` (DeepSpeed's ``profile``).
 
 Bytes: on CUDA ``torch.cuda.memory_allocated`` after the forward and
 ``max_memory_allocated`` over the step, above the start; on CPU the
@@ -39,14 +46,22 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _variants(dev: str) -> dict:
+def _variants(dev: str, input_bytes: int) -> dict:
+    """label -> (what DeepSpeed / torchtune calls it, policy or "plain"; the profile row reuses remat)."""
     off = dict(offload_src=dev, offload_dst="cpu")
     return {
-        "no remat": None,
-        "remat": lambda b: remat_fn.remat(b),
-        "remat + offload_inputs": lambda b: remat_fn.remat(b, policy=policies.offload_inputs(**off)),
-        "remat + offload_inputs(contiguous)": lambda b: remat_fn.remat(
-            b, policy=policies.offload_inputs(contiguous=True, **off)),
+        "no remat": ("-", "plain"),
+        "remat": ("checkpoint(...) / AC alone", None),
+        "offload_inputs()": ("checkpoint_in_cpu=True; OffloadActivations() + AC", policies.offload_inputs(**off)),
+        "offload_inputs(contiguous=True)": ("checkpoint_in_cpu + contiguous_checkpointing",
+                                            policies.offload_inputs(contiguous=True, **off)),
+        f"offload_inputs(offload_dst={dev!r}, contiguous=True)": (
+            "contiguous_checkpointing=True", policies.offload_inputs(offload_src=dev, offload_dst=dev,
+                                                                     contiguous=True)),
+        f"offload_inputs(min_bytes={2 * input_bytes})": (
+            f"OffloadActivations(min_offload_size={2 * input_bytes})",
+            policies.offload_inputs(min_bytes=2 * input_bytes, **off)),
+        "remat in remat_fn.profile()": ("profile=True", None),
     }
 
 
@@ -92,22 +107,32 @@ def run(quick: bool) -> dict:
     net = MLPStack(d, hidden, 8).to(dev)
     x = torch.randn(rows, d, device=dev)
     params = {k: v.detach() for k, v in net.named_parameters()}
-    variants = _variants(dev)
+    variants = _variants(dev, rows * d * 4)
 
-    def calls(wrap):
-        return list(net.blocks) if wrap is None else [wrap(b) for b in net.blocks]
+    def calls(policy):
+        if isinstance(policy, str):
+            return list(net.blocks)
+        return [remat_fn.remat(b, policy=policy) for b in net.blocks]
 
-    wrapped = {k: calls(w) for k, w in variants.items()}
+    wrapped = {k: calls(pol) for k, (_, pol) in variants.items()}
+    profiled = {k: k.endswith("profile()") for k in variants}
 
     def eager_step(k):
         def fwd():
             net.calls = wrapped[k]
+            if profiled[k]:
+                with remat_fn.profile():
+                    return net(x.requires_grad_(True) * 1.0)
             return net(x.requires_grad_(True) * 1.0)  # the first block's input is an activation too
 
         def bwd(loss):
             net.zero_grad(set_to_none=True)
             x.grad = None
-            loss.backward()
+            if profiled[k]:
+                with remat_fn.profile():
+                    loss.backward()
+            else:
+                loss.backward()
 
         return fwd, bwd
 
@@ -117,10 +142,17 @@ def run(quick: bool) -> dict:
             return torch.func.functional_call(net, p, (x * 1.0,))
 
         def fwd():
+            if profiled[k]:
+                with remat_fn.profile():
+                    return torch.func.vjp(loss, params, x.detach())
             return torch.func.vjp(loss, params, x.detach())
 
         def bwd(out):
-            out[1](torch.ones((), device=dev))
+            if profiled[k]:
+                with remat_fn.profile():
+                    out[1](torch.ones((), device=dev))
+            else:
+                out[1](torch.ones((), device=dev))
 
         return fwd, bwd
 
@@ -144,8 +176,8 @@ def run(quick: bool) -> dict:
 
         s = interleaved({k: timed(k) for k in variants}, repeats=reps, warmup=1)
         for k in variants:
-            rows_out.append({"path": path, "variant": k, **mem[k], "ms": tuple(spread(s[k]).scaled(1e3)),
-                             "vs_remat": tuple(ratio(s[k], s["remat"]))})
+            rows_out.append({"path": path, "variant": k, "maps": variants[k][0], **mem[k],
+                             "ms": tuple(spread(s[k]).scaled(1e3)), "vs_remat": tuple(ratio(s[k], s["remat"]))})
     pool = offload_pool_stats()
     return {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "shape": [d, hidden, rows, 8],
             "rows": rows_out, "pool": {k: pool[k] for k in ("allocations", "allocated_bytes", "reuses",
@@ -157,12 +189,12 @@ def md(r: dict) -> str:
     head = (f"Device: {r['device']}. {n} blocks (d={d}, hidden={hidden}), {rows} rows, fp32; "
             "bytes above the start of the step; time: median (min-max) of interleaved rounds, "
             "ratio to `remat` per round.\n\n")
-    body = table(["path", "variant", "device after fwd (MiB)", "device peak (MiB)", "host (MiB)", "step (ms)",
-                  "step / remat"],
-                 [[row["path"], row["variant"], f"{row['after_fwd_MiB']:.1f}", f"{row['peak_MiB']:.1f}",
-                   f"{row['host_MiB']:.1f}", Spread(*row["ms"]).fmt(digits=1),
+    body = table(["path", "remat_fn", "DeepSpeed / torchtune", "device after fwd (MiB)", "device peak (MiB)",
+                  "host (MiB)", "step (ms)", "step / remat"],
+                 [[row["path"], f"`{row['variant']}`", row["maps"], f"{row['after_fwd_MiB']:.1f}",
+                   f"{row['peak_MiB']:.1f}", f"{row['host_MiB']:.1f}", Spread(*row["ms"]).fmt(digits=1),
                    Spread(*row["vs_remat"]).fmt(digits=2, unit="x")] for row in r["rows"]],
-                 "|---|---|---:|---:|---:|---:|---:|")
+                 "|---|---|---|---:|---:|---:|---:|---:|")
     p = r["pool"]
     tail = (f"\n\nOffload pool over the whole section: {p['allocations']} buffers allocated "
             f"({p['allocated_bytes'] / MiB:.1f} MiB), {p['reuses']} reuses, {p['arena_allocations']} "
