@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._debug import CallTrace
 from ._describe import describe
 from ._errors import mutated_input
 from ._functorch import carries_grad, is_wrapped, needs_grad, storage_ptr, unwrap_one
 from ._region import region_depth
+from ._torch_internals import TorchDispatchMode
 
 __all__ = ["CaptureMode", "MissedCapture", "note_region_inputs", "note_region_outputs"]
 

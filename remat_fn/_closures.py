@@ -25,6 +25,7 @@ import torch
 from ._describe import describe
 from ._errors import MutatedSavedTensorError
 from ._functorch import needs_grad, unwrap_all
+from ._torch_internals import version
 
 __all__ = ["Reachable", "reachable_tensors"]
 
@@ -148,7 +149,7 @@ def _version(t: torch.Tensor) -> int | None:
     t = unwrap_all(t)
     try:
         t.untyped_storage()
-        return t._version
+        return version(t)
     except (RuntimeError, NotImplementedError):
         return None
 

@@ -16,10 +16,10 @@ import threading
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._describe import describe_meta, user_frame
 from ._errors import RecomputeMismatchError
+from ._torch_internals import TorchDispatchMode
 
 __all__ = ["OpTrace", "CallTrace", "format_traces", "set_debug_enabled", "early_stop", "checks"]
 

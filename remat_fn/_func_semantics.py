@@ -29,18 +29,17 @@ import torch
 from ._closures import reachable_tensors
 from ._describe import describe
 from ._errors import RematError
+from ._torch_internals import disable_hooks as _disable_hooks
+from ._torch_internals import enable_hooks as _enable_hooks
+from ._torch_internals import hooks_disabled_message as _hooks_off_message
+from ._torch_internals import hooks_enabled as _hooks_on
+from ._torch_internals import pop_hooks as _pop_hooks
+from ._torch_internals import push_hooks as _push_hooks
+from ._torch_internals import top_hooks as _top_hooks
 
 __all__ = ["NeedsGraph", "keep_nothing", "hooks_aside", "random_in_vmap", "connect_side_outputs", "check_unsure",
            "check_lazy_outputs"]
 
-_A = torch._C._autograd
-_hooks_on = _A._saved_tensors_hooks_is_enabled
-_hooks_off_message = _A._saved_tensors_hooks_get_disabled_error_message
-_enable_hooks = _A._saved_tensors_hooks_enable
-_disable_hooks = _A._saved_tensors_hooks_disable
-_push_hooks = _A._push_saved_tensors_default_hooks
-_pop_hooks = _A._pop_saved_tensors_default_hooks
-_top_hooks = _A._top_saved_tensors_default_hooks
 
 
 class NeedsGraph(Exception):

@@ -11,7 +11,8 @@ rather than through ``torch._C._functorch`` at each use.
 from __future__ import annotations
 
 import torch
-from torch.autograd import forward_ad
+
+from ._torch_internals import forward_ad_level, functorch, functorch_active, is_view
 
 __all__ = [
     "C", "transforms_active", "transform_stack", "transform_kinds", "is_wrapped", "unwrap_one",
@@ -20,11 +21,11 @@ __all__ = [
     "forward_mode_active", "nested_forward_mode", "carries_grad",
 ]
 
-C = torch._C._functorch  # the C++ functorch bindings
+C = functorch  # the C++ functorch bindings (checked in remat_fn._torch_internals)
 _JVP = C.TransformType.Jvp
 _GRAD = C.TransformType.Grad
 
-transforms_active = torch._C._are_functorch_transforms_active
+transforms_active = functorch_active
 is_wrapped = C.is_functorch_wrapped_tensor
 unwrap_one = C.get_unwrapped  # one level
 unwrap_if_dead = C.unwrap_if_dead
@@ -99,7 +100,7 @@ def forward_mode_active() -> bool:
     interleaved with the region's own ops, so op-position caching cannot be
     replayed reliably there; such recomputations simply recompute everything.
     """
-    if getattr(forward_ad, "_current_level", -1) >= 0:
+    if forward_ad_level() >= 0:
         return True
     return any(i.key() == _JVP for i in transform_stack())
 
@@ -122,4 +123,4 @@ def carries_grad(t: torch.Tensor) -> bool:
     history (in plain code such a view does not require grad): a view without
     a ``grad_fn`` carries none.
     """
-    return t.requires_grad and (t.grad_fn is not None or not t._is_view())
+    return t.requires_grad and (t.grad_fn is not None or not is_view(t))

@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor
 
 from ._functorch import is_wrapped, transforms_active
+from ._torch_internals import dispatch_stack_len, function_mode_enabled, tree_leaves
 
 __all__: list[str] = []  # private module: nothing is re-exported from here
 
@@ -255,7 +255,7 @@ def _loop_over_keys(op: Any, dtype_of_empty: Any) -> Any:
     unbatched kernel once per key and stack (exact by construction)."""
 
     def rule(info: Any, in_dims: tuple[Any, ...], key: Tensor, *args: Any) -> Any:
-        if any(d is not None for d in pytree.tree_leaves(in_dims[1:])):  # pragma: no cover
+        if any(d is not None for d in tree_leaves(in_dims[1:])):  # pragma: no cover
             raise ValueError("remat_fn.random: only the key may be batched here")
         kdim = in_dims[0]
         if kdim is None:
@@ -469,8 +469,8 @@ def dispatch(op: Any, key: Tensor, *args: Any) -> Tensor:
         not torch.compiler.is_compiling()  # first: the checks below are not traceable
         and type(key) is torch.Tensor
         and not transforms_active()
-        and torch._C._len_torch_dispatch_stack() == 0
-        and not torch._C._is_torch_function_mode_enabled()
+        and dispatch_stack_len() == 0
+        and not function_mode_enabled()
     ):
         return _KERNELS[op](key, *args)
     return _OVERLOADS[op](key, *args)

@@ -42,9 +42,9 @@ from typing import Any
 
 import optree
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ._functorch import unwrap_all
+from ._torch_internals import FakeTensorMode
 from ._transform import remat
 
 __all__ = ["remat_sequential", "remat_scan", "revolve_evaluations", "sequential_segments"]

@@ -29,6 +29,8 @@ from ._path_compile import run_compiled
 from ._path_hooks import NeedsTorchFuncPath, hooks_enabled, run_with_hooks
 from ._path_torch_func import run_torch_func
 from ._region import Options, RegionCall, entered, name_of
+from ._torch_internals import pop_hooks as _pop_hooks
+from ._torch_internals import push_hooks as _push_hooks
 from .policies import everything_saveable, normalize_policy
 
 __all__ = ["remat", "checkpoint", "call_once", "make_wrapper", "RematFunction"]
@@ -38,8 +40,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 # the class a list-of-ops policy is normalised to (its ops do not pickle: by name)
 _OP_LIST = type(normalize_policy(()))
 
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 
 
 def remat(

@@ -51,6 +51,7 @@ import torch.utils.checkpoint as _tc
 from ._debug import early_stop as _early_stop
 from ._functorch import transforms_active
 from ._structured import sequential_segments
+from ._torch_internals import CachingTorchDispatchMode, checkpoint_flag
 from ._transform import call_once
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
@@ -103,7 +104,7 @@ def _policy_of(context_fn):
             "context_fn must return a tuple of two context managers (forward, recompute), "
             f"got {contexts!r}"
         ) from None
-    if isinstance(fwd, _tc._CachingTorchDispatchMode):
+    if isinstance(fwd, CachingTorchDispatchMode):
         # functools.partial(create_selective_checkpoint_contexts, policy_fn_or_ops)
         return fwd.policy_fn, None
     return None, _Contexts(context_fn, fwd, rec)
@@ -152,7 +153,7 @@ def checkpoint(
             preserve_rng_state=preserve_rng_state, determinism_check=determinism_check,
             debug=debug, early_stop=early_stop, **kwargs,
         )
-    global_debug = getattr(_tc, "_checkpoint_debug_enabled", None)
+    global_debug = checkpoint_flag("_checkpoint_debug_enabled")
     if global_debug is not None:
         debug = global_debug
     if not torch.is_grad_enabled() and not transforms_active():
@@ -161,7 +162,7 @@ def checkpoint(
     policy, contexts = _policy_of(context_fn)
     if contexts is not None:
         function = functools.partial(_run_in_contexts, contexts, function)
-    global_early_stop = getattr(_tc, "_enable_checkpoint_early_stop", None)
+    global_early_stop = checkpoint_flag("_enable_checkpoint_early_stop")
     if global_early_stop is not None:
         early_stop = global_early_stop
     if early_stop:

@@ -606,7 +606,7 @@ def _device(device: DeviceLike) -> torch.device:
     if device is None:
         if torch.compiler.is_compiling():  # get_default_device is not traceable
             return torch.empty(0).device
-        if not torch._C._is_torch_function_mode_enabled():
+        if not _impl.function_mode_enabled():
             return _CPU  # no torch.set_default_device / device context in force
         return torch.get_default_device()
     return torch.device(device)

@@ -1,0 +1,155 @@
+"""Every private torch internal remat_fn uses, in one place, checked at import.
+
+torch gives no public API for what a rematerialisation library must touch:
+the default saved-tensor hooks stack (and torch.func's switch that turns it
+off), the functorch wrappers and interpreter stack, the dispatch-mode base
+class, version counters, op schemas, autograd nodes' saved tensors.  Each is
+reached here and nowhere else (``tests/test_package.py`` fails if another
+module names one), and each is looked up when ``remat_fn`` is imported: a
+torch without one of them fails at once with an error naming the internal,
+the installed version and the supported range, never later and never by
+silently doing less.
+
+Notes, cited from the code as ``NOTE [name]``:
+
+- NOTE [saved-tensor hooks stack]: ``torch.autograd.graph.saved_tensors_hooks``
+  is a context manager; a region pushes and pops its pair from code that is
+  not a ``with`` block (an exception path, a forward split over calls), so it
+  uses the stack's push/pop/top functions directly.  ``torch.func`` grad
+  transforms switch hooks off (``..._disable``) and torch 2.11+ refuses a
+  non-empty stack on entering one.
+- NOTE [functorch wrappers]: under ``torch.func`` tensors are wrapped level by
+  level; the library unwraps them to reach storages and version counters and
+  asks which levels are alive (see :mod:`remat_fn._functorch`).
+- NOTE [version counters]: saved and captured tensors are checked for in-place
+  changes through ``Tensor._version``; offloading and partitioning put a
+  tensor's counter back on its copy (``_unsafe_set_version_counter``).
+- NOTE [op schemas]: policies and the record of a forward read an op's schema
+  (mutability, returns) from ``OpOverload._schema``.
+- NOTE [autograd nodes' saved tensors]: what plain autograd would save is read
+  from a graph's nodes (``_saved_*`` attributes) where hooks are refused.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+__all__ = [
+    "SUPPORTED_TORCH", "push_hooks", "pop_hooks", "top_hooks", "hooks_enabled", "hooks_disabled_message",
+    "enable_hooks", "disable_hooks", "set_version_counter", "functorch", "functorch_active",
+    "DisableTorchFunction", "dispatch_stack_len", "function_mode_enabled", "TorchDispatchMode",
+    "disable_current_modes", "tree_leaves", "FakeTensorMode", "OpOverload", "OpOverloadPacket",
+    "assert_async", "CachingTorchDispatchMode", "checkpoint_flag", "forward_ad_level", "version",
+    "is_view", "use_count", "schema", "saved_tensor_attrs",
+]
+
+SUPPORTED_TORCH = ">=2.13,<2.15"
+
+
+def _missing(what: str) -> ImportError:
+    return ImportError(
+        f"remat_fn needs {what}, which torch {torch.__version__} does not provide. remat_fn supports "
+        f"torch{SUPPORTED_TORCH}: pip install 'torch{SUPPORTED_TORCH}'."
+    )
+
+
+def _attr(obj: Any, path: str, name: str) -> Any:
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise _missing(f"{path}.{name}") from None
+
+
+def _from(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        raise _missing(f"{module}.{name}") from None
+
+
+# NOTE [saved-tensor hooks stack]
+_A = torch._C._autograd
+push_hooks = _attr(_A, "torch._C._autograd", "_push_saved_tensors_default_hooks")
+pop_hooks = _attr(_A, "torch._C._autograd", "_pop_saved_tensors_default_hooks")
+top_hooks = _attr(_A, "torch._C._autograd", "_top_saved_tensors_default_hooks")
+hooks_enabled = _attr(_A, "torch._C._autograd", "_saved_tensors_hooks_is_enabled")
+hooks_disabled_message = _attr(_A, "torch._C._autograd", "_saved_tensors_hooks_get_disabled_error_message")
+enable_hooks = _attr(_A, "torch._C._autograd", "_saved_tensors_hooks_enable")
+disable_hooks = _attr(_A, "torch._C._autograd", "_saved_tensors_hooks_disable")
+
+# NOTE [version counters]
+set_version_counter = _attr(_A, "torch._C._autograd", "_unsafe_set_version_counter")
+
+# NOTE [functorch wrappers]
+functorch = torch._C._functorch
+for _name in ("is_functorch_wrapped_tensor", "get_unwrapped", "unwrap_if_dead", "get_interpreter_stack",
+              "is_gradtrackingtensor", "maybe_get_level", "is_dead_tensor_wrapper", "TransformType"):
+    _attr(functorch, "torch._C._functorch", _name)
+functorch_active = _attr(torch._C, "torch._C", "_are_functorch_transforms_active")
+
+# modes
+DisableTorchFunction = _attr(torch._C, "torch._C", "DisableTorchFunction")
+dispatch_stack_len = _attr(torch._C, "torch._C", "_len_torch_dispatch_stack")
+function_mode_enabled = _attr(torch._C, "torch._C", "_is_torch_function_mode_enabled")
+TorchDispatchMode = _from("torch.utils._python_dispatch", "TorchDispatchMode")
+disable_current_modes = _from("torch.utils._python_dispatch", "_disable_current_modes")
+FakeTensorMode = _from("torch._subclasses.fake_tensor", "FakeTensorMode")
+
+# ops and pytrees
+OpOverload = _from("torch._ops", "OpOverload")
+OpOverloadPacket = _from("torch._ops", "OpOverloadPacket")
+tree_leaves = _from("torch.utils._pytree", "tree_leaves")
+assert_async = _attr(torch, "torch", "_assert_async")
+
+# torch's selective checkpointing (remat_fn.compat reads the policy out of it)
+CachingTorchDispatchMode = _from("torch.utils.checkpoint", "_CachingTorchDispatchMode")
+_checkpoint = importlib.import_module("torch.utils.checkpoint")
+
+# forward-mode AD's eager dual level
+_forward_ad = importlib.import_module("torch.autograd.forward_ad")
+_attr(_forward_ad, "torch.autograd.forward_ad", "_current_level")
+
+# private attributes of tensors, ops and autograd nodes
+for _obj, _path, _name in ((torch.Tensor, "torch.Tensor", "_version"), (torch.Tensor, "torch.Tensor", "_is_view"),
+                           (torch.Tensor, "torch.Tensor", "_use_count"),
+                           (torch.ops.aten.sin.default, "torch._ops.OpOverload", "_schema")):
+    _attr(_obj, _path, _name)
+
+
+def checkpoint_flag(name: str) -> Any:
+    """One of torch's checkpoint switches (``_checkpoint_debug_enabled``,
+    ``_enable_checkpoint_early_stop``): ``None`` when unset, as torch keeps them."""
+    return getattr(_checkpoint, name, None)
+
+
+def forward_ad_level() -> int:
+    """The current eager forward-mode AD level (-1 outside ``dual_level``)."""
+    return _forward_ad._current_level
+
+
+def version(t: torch.Tensor) -> int:
+    """``t``'s version counter (NOTE [version counters])."""
+    return t._version
+
+
+def is_view(t: torch.Tensor) -> bool:
+    return t._is_view()
+
+
+def use_count(t: torch.Tensor) -> int:
+    """How many C++ references hold ``t``'s TensorImpl (1: only its Python object)."""
+    return t._use_count()
+
+
+def schema(op: Any) -> Any:
+    """An ``OpOverload``'s schema (NOTE [op schemas])."""
+    return op._schema
+
+
+def saved_tensor_attrs(node: Any) -> tuple[str, ...]:
+    """The names under which an autograd node exposes what it saved
+    (NOTE [autograd nodes' saved tensors])."""
+    return tuple(a for a in dir(node) if a.startswith("_saved_"))
