@@ -96,6 +96,30 @@ MUTATIONS = (
     ),
 )
 
+MUTATIONS += (
+    Mutation(
+        "side_outputs_dropped",
+        "under torch.func a tensor leaving the region by a side channel gets its gradient",
+        "remat_fn/_path_torch_func.py",
+        (("            self.escaped = mode.escaped(outs)\n", "            self.escaped = []\n"),),
+        ("tests/test_func_exactness.py", "tests/test_hf.py"),
+    ),
+    Mutation(
+        "argument_identity_lost",
+        "under torch.func the same tensor passed twice is one input (a is b)",
+        "remat_fn/_path_torch_func.py",
+        (("        args = [tensors[k] for k in self.expand]", "        args = [tensors[k].view_as(tensors[k]) for k in self.expand]"),),
+        ("tests/test_func_exactness.py",),
+    ),
+    Mutation(
+        "detached_outputs_differentiable",
+        "under torch.func a detached output of a region gets no gradient",
+        "remat_fn/_path_torch_func.py",
+        (("                mask = [_is_diff(t) and carries_grad(t) for t in o]", "                mask = [_is_diff(t) for t in o]"),),
+        ("tests/test_func_exactness.py",),
+    ),
+)
+
 # Claims the issue lists for which no code path exists to break yet.
 NOT_APPLICABLE = {
     "side_effects_replayed": "the recomputation re-runs the user's function, so side effects of the "
