@@ -108,7 +108,9 @@ MUTATIONS += (
         "argument_identity_lost",
         "under torch.func the same tensor passed twice is one input (a is b)",
         "remat_fn/_path_torch_func.py",
-        (("        args = [tensors[k] for k in self.expand]", "        args = [tensors[k].view_as(tensors[k]) for k in self.expand]"),),
+        (("        args = [tensors[k] for k in self.expand]",
+          "        args = [tensors[k] if i == self.expand.index(k) else tensors[k].view_as(tensors[k]) "
+          "for i, k in enumerate(self.expand)]"),),
         ("tests/test_func_exactness.py",),
     ),
     Mutation(
