@@ -131,7 +131,8 @@ class Offloader:
         an argument of the region."""
         self.to_dst += 1
         self.has_inputs = self.has_inputs or input
-        base = _base(t).detach()
+        with quiet():  # (called from pack hooks too: no op of this may enter a region's op sequence)
+            base = _base(t).detach()
         dst = torch.device(dst)
         if dst.type == "cuda" and dst.index is None:
             dst = torch.device("cuda", torch.cuda.current_device())  # pragma: no cover - needs CUDA
@@ -278,16 +279,20 @@ def tag_name(t: torch.Tensor, name: str) -> None:
         pass
 
 
-def meta_args(args, kwargs) -> tuple:
-    """``(args, kwargs)`` with every tensor replaced by a meta tensor of its shape and dtype."""
+def meta_args(args, kwargs) -> tuple | None:
+    """``(args, kwargs)`` with every tensor replaced by a meta tensor of its shape,
+    strides and dtype (None where that cannot be made: sparse tensors, say)."""
     def m(a):
         if isinstance(a, torch.Tensor):
             b = _base(a)
             return torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device="meta")
         return a
 
-    with quiet():
-        return optree.tree_map(m, (args, kwargs), none_is_leaf=True)
+    try:
+        with quiet():
+            return optree.tree_map(m, (args, kwargs), none_is_leaf=True)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def hint(t: torch.Tensor, info) -> None:
@@ -339,7 +344,7 @@ def input_offloads(policy, tensors) -> dict[int, Offload]:
                 d = decide(policy, ctx, NAMED, (t,), {"name": name})
             if not isinstance(d, Offload):
                 info = _hints.get(t)
-                if info is not None:
+                if info is not None and info[1] is not None:
                     ctx.name = None
                     op, (a, kw) = info
                     d = decide(policy, ctx, op, a, kw)
