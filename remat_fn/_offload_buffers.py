@@ -13,14 +13,15 @@ import contextlib
 import threading
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
+
+from ._torch_internals import DisableTorchFunction, disable_current_modes
 
 __all__ = ["Block", "Pool", "Arena", "POOL", "Meter", "add_meter", "remove_meter", "meters", "stats", "reset_stats", "quiet",
            "lock"]
 
 _ALIGN = 512  # bytes: buffer sizes are rounded up to this (reuse across small shape changes)
 lock = threading.Lock()
-_no_torch_function = torch._C.DisableTorchFunction
+_no_torch_function = DisableTorchFunction
 
 #: process-wide counters (tests and benchmarks; not part of the API)
 stats = {"to_dst": 0, "to_src": 0, "bytes_to_dst": 0, "prefetched": 0, "allocations": 0, "allocated_bytes": 0,
@@ -40,7 +41,7 @@ def quiet():
     """No dispatch mode and no torch-function mode sees the bookkeeping copies."""
     stack = contextlib.ExitStack()
     stack.enter_context(_no_torch_function())
-    stack.enter_context(_disable_current_modes())
+    stack.enter_context(disable_current_modes())
     return stack
 
 

@@ -35,15 +35,16 @@ from ._record import Record, paused, saving
 from ._region import RegionCall
 from ._residuals import residual_sink
 from ._rng_state import RNGSnapshot
+from ._torch_internals import hooks_enabled
+from ._torch_internals import pop_hooks as _pop_hooks
+from ._torch_internals import push_hooks as _push_hooks
+from ._torch_internals import top_hooks as _top_hooks
+from ._torch_internals import version as version_of
 
 __all__ = ["run_with_hooks", "NeedsTorchFuncPath", "hooks_enabled"]
 
 # False while saved-tensor hooks are switched off for the process (a failed
 # torch.compile can leave them so); the torch.func path needs none.
-hooks_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _NULL = contextlib.nullcontext()
 
 
@@ -73,16 +74,16 @@ class _Direct:
 
     def __init__(self, t: torch.Tensor):
         self.t = t
-        self.version = t._version
+        self.version = version_of(t)
 
     def get(self, name: str) -> torch.Tensor:
         t = self.t
-        if t._version != self.version:
+        if version_of(t) != self.version:
             raise MutatedSavedTensorError(
                 f"The tensor {describe_meta(t.shape, t.dtype, t.device)} that remat({name}) saved for "
                 f"backward (an argument, a parameter or a value the policy saves) was modified in "
                 f"place after the forward "
-                f"(version {self.version} -> {t._version}). Fix: clone it before modifying it "
+                f"(version {self.version} -> {version_of(t)}). Fix: clone it before modifying it "
                 "(x = x.clone()), or apply the in-place update (e.g. optimizer.step()) after "
                 "the backward pass."
             )
@@ -158,7 +159,7 @@ class _Frame:
 
     # -- forward -------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
-        self.meta.append((t.shape, t.dtype, t.device, t._version))
+        self.meta.append((t.shape, t.dtype, t.device, version_of(t)))
         packed = self._pack(t)
         if self.prof_saved is not None:
             self.prof_saved.append((t, type(packed) is _Direct))
@@ -253,7 +254,7 @@ class _Frame:
                     f"saved tensor #{i} is {describe_meta(t.shape, t.dtype, t.device)} on recompute "
                     f"but was {describe_meta(shape, dtype, device)} in the forward"
                 )
-            if t._version != version:
+            if version_of(t) != version:
                 if arg_ids is None:
                     arg_ids = {
                         id(x) for x in optree.tree_leaves((args, kwargs))
@@ -269,7 +270,7 @@ class _Frame:
                     raise MutatedSavedTensorError(
                         f"A tensor {describe_meta(shape, dtype, device)} needed to recompute "
                         f"remat({self.name}) was modified in place after the forward (its version "
-                        f"went from {version} to {t._version}). Fix: clone it before modifying it "
+                        f"went from {version} to {version_of(t)}). Fix: clone it before modifying it "
                         "(x = x.clone()), or apply the in-place update after the backward pass."
                     )
             if (i == target if target is not None else handles[i]() is not None):
@@ -351,7 +352,7 @@ def run_with_hooks(call: RegionCall) -> Any:
     frame.outer = outer
     leaves = optree.tree_leaves((args, kwargs), none_is_leaf=True)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    in_versions = [(x, x._version) for x in tensors]
+    in_versions = [(x, version_of(x)) for x in tensors]
     frame.input_ids = {id(x) for x in tensors}
     snap = RNGSnapshot(call.rng_devices(tensors)) if preserve_rng_state else None
     frame.rng = snap  # provisional: a backward inside the forward may recompute
@@ -387,7 +388,7 @@ def run_with_hooks(call: RegionCall) -> Any:
         frame.rec.hint_outputs(optree.tree_leaves(out))
     if frame.nhandles:
         for x, v in in_versions:
-            if x._version != v:
+            if version_of(x) != v:
                 raise mutated_input(name, x)
         # Remember where the tensors the function reaches live, so that the
         # recomputation sees the same ones even if (as with

@@ -45,6 +45,7 @@ from ._profile import active, storage_bytes
 from ._record import Record, saving
 from ._region import RegionCall
 from ._rng_state import RNGSnapshot
+from ._torch_internals import saved_tensor_attrs, use_count
 
 __all__ = ["run_torch_func"]
 
@@ -200,7 +201,7 @@ class _RematFunction(torch.autograd.Function):
             # another side output's history (it dies with that history, after
             # the swap); one still alive then was missed: see connect_side_outputs.
             alive = [r() for r in refs]
-            side = [k for k, t in enumerate(alive) if t is not None and t._use_count() == 1]
+            side = [k for k, t in enumerate(alive) if t is not None and use_count(t) == 1]
             spec.unsure = [refs[k] for k, t in enumerate(alive) if t is not None and k not in side]
             del refs  # a tensor with weak references cannot be swapped
             spec.escaped = [alive[k] for k in side]  # the caller's objects, swapped after apply
@@ -327,7 +328,7 @@ def _saved_storages(outs) -> dict[int, int]:
         names = _SAVED_ATTRS.get(type(node))
         if names is None:
             names = _SAVED_ATTRS[type(node)] = tuple(
-                a for a in dir(node) if a.startswith("_saved_"))
+                saved_tensor_attrs(node))
         for a in names:
             try:
                 v = getattr(node, a)

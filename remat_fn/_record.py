@@ -21,7 +21,6 @@ from typing import Any
 
 import optree
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._describe import describe
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError
@@ -29,12 +28,14 @@ from ._functorch import forward_mode_active, storage_ptr
 from ._functorch import unwrap_all as _base
 from ._offload import Offloader, Stored, hint, meta_args, tag_name
 from ._residuals import residual_sink
+from ._torch_internals import DisableTorchFunction, TorchDispatchMode, schema
+from ._torch_internals import version as version_of
 from .policies import NAMED, Offload, PolicyContext, decide
 
 __all__ = ["Record", "SaveMode", "saving", "paused", "checkpoint_name"]
 
 _local = threading.local()
-_no_torch_function = torch._C.DisableTorchFunction
+_no_torch_function = DisableTorchFunction
 _DETACH = torch.ops.aten.detach.default
 # in-place ops that change only a tensor's sizes and strides, not its data (matmul on
 # a 1-D operand ends in squeeze_): a kept value they touch needs no copy
@@ -107,8 +108,7 @@ class Record:
         """A kept output about to be modified in place is replaced by a copy first,
         so the recomputation replays the value the forward used."""
         written = []
-        schema = func._schema
-        for i, a in enumerate(schema.arguments):
+        for i, a in enumerate(schema(func).arguments):
             if a.alias_info is not None and a.alias_info.is_write:
                 v = args[i] if i < len(args) else kwargs.get(a.name)
                 for t in optree.tree_leaves(v):
@@ -137,7 +137,7 @@ class Record:
         for i, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
                 self.producer[id(t)] = (key, i, len(leaves), weakref.ref(t))
-        if self.policy is None or func._schema.is_mutable or func.is_view:
+        if self.policy is None or schema(func).is_mutable or func.is_view:
             return
         if not any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) for t in leaves):
             return
@@ -318,15 +318,15 @@ class Record:
                 if storage_ptr(b) in kept:
                     # a detached alias shares the version counter; the output itself
                     # would tie its graph to this record (a reference cycle)
-                    self.versions.append((b.detach(), b._version))
+                    self.versions.append((b.detach(), version_of(b)))
 
     # -- recompute -------------------------------------------------------------
     def check_versions(self) -> None:
         for t, v in self.versions:
-            if t._version != v:
+            if version_of(t) != v:
                 raise MutatedSavedTensorError(
                     f"A value {describe(t)} saved by the remat policy was modified in place "
-                    f"after the forward (version {v} -> {t._version}), so backward would use "
+                    f"after the forward (version {v} -> {version_of(t)}), so backward would use "
                     "the modified value. Fix: clone the region's output before modifying it "
                     "(y = y.clone()), or apply the in-place update after the backward pass."
                 )
@@ -360,7 +360,7 @@ class Record:
 
 
 def _single_output(func) -> bool:
-    rets = func._schema.returns
+    rets = schema(func).returns
     return len(rets) == 1 and str(rets[0].type) == "Tensor"
 
 
@@ -426,7 +426,7 @@ class SaveMode(TorchDispatchMode):
                 return func(*args, **kwargs)
             return self.rec.replay(func, key, args, kwargs)
         self.rec.seq.append(func)
-        if self.rec.entries and func._schema.is_mutable and func.overloadpacket not in _METADATA_ONLY:
+        if self.rec.entries and schema(func).is_mutable and func.overloadpacket not in _METADATA_ONLY:
             self.rec.before_mutation(func, args, kwargs)
         out = func(*args, **kwargs)
         self.rec.after_op(func, key, args, kwargs, out)

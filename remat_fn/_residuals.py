@@ -22,12 +22,12 @@ from typing import Any
 
 import optree
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._closures import reachable_tensors
 from ._describe import describe_meta, user_frame
 from ._errors import RematError
 from ._functorch import transforms_active
+from ._torch_internals import TorchDispatchMode
 
 __all__ = ["Residual", "saved_residuals", "print_saved_residuals", "residual_sink"]
 

@@ -94,14 +94,16 @@ from ._functorch import transforms_active
 from ._offload import Stored, take_request
 from ._path_hooks import hooks_enabled
 from ._region import Options, RegionCall
+from ._torch_internals import assert_async, set_version_counter
+from ._torch_internals import top_hooks as _top_hooks
+from ._torch_internals import version as version_of
 from ._transform import make_wrapper
 
 __all__ = ["remat", "checkpoint", "default_should_partition"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-_set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", lambda ts, vs: None)
+_set_version = set_version_counter
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
 
 # Counters for tests and benchmarks (per process; not part of the API).
@@ -275,7 +277,7 @@ class _Part:
                 if not torch.equal(s, self.check):
                     raise RematError(_not_replicated_msg(self))
             else:  # no host synchronisation on accelerators
-                torch._assert_async(s == self.check, _not_replicated_msg(self))
+                assert_async(s == self.check, _not_replicated_msg(self))
         if self.dense:
             out = flat.as_strided(self.shape, self.stride, 0)
         else:
@@ -392,7 +394,7 @@ class _Hooks:
         p.expand = d.shape if core.shape != d.shape else None
         p.nbytes, p.chunk, p.check = nbytes, chunk, check
         p.requires_grad = t.requires_grad
-        p.version = t._version
+        p.version = version_of(t)
         p.group, p.size = self.group, size
         p.work = p.buf = p.stream = None
         if outer is not None:

@@ -36,10 +36,9 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from . import _offload
+from ._torch_internals import TorchDispatchMode, tree_leaves
 
 __all__ = ["LiveBytes", "MiB", "return_freed_memory_to_os", "offload_pool_stats", "clear_offload_pool"]
 

@@ -39,6 +39,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ._errors import PolicyError
+from ._torch_internals import OpOverload, OpOverloadPacket
 
 __all__ = [
     "CheckpointPolicy",
@@ -493,7 +494,7 @@ class _OpList:
     def __init__(self, ops):
         items = set()
         for o in ops:
-            if not isinstance(o, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            if not isinstance(o, (OpOverload, OpOverloadPacket)):
                 raise PolicyError(
                     f"a list policy must contain aten ops (e.g. torch.ops.aten.mm.default), "
                     f"got {o!r}"
