@@ -41,6 +41,7 @@ from ._functorch import C as _C
 from ._functorch import forward_mode_active, is_wrapped, storage_ptr, transform_stack, unwrap_one
 from ._functorch import unwrap_all as _base
 from ._offload_buffers import POOL, Arena, Block, Meter, Pool, add_meter, meters, quiet, remove_meter, reset_stats, stats
+from ._torch_internals import DisableTorchFunction, set_version_counter, version
 from .policies import INPUT, NAMED, Offload, PolicyContext, decide
 
 __all__ = ["Offloader", "Stored", "Pool", "Arena", "POOL", "Meter", "stats", "reset_stats", "add_meter",
@@ -48,8 +49,8 @@ __all__ = ["Offloader", "Stored", "Pool", "Arena", "POOL", "Meter", "stats", "re
            "meta_args", "unaliased", "report_inputs", "FuncInputs"]
 
 _local = threading.local()
-_no_torch_function = torch._C.DisableTorchFunction
-_set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", lambda ts, vs: None)
+_no_torch_function = DisableTorchFunction
+_set_version = set_version_counter  # NOTE [version counters]
 
 # ---------------------------------------------------------------------------
 # Stored values
@@ -146,7 +147,7 @@ class Offloader:
         s.back = s.back_event = None
         s.prefetched = False
         s.offloader = self
-        s.version = base._version
+        s.version = version(base)
         s.block = block
         with quiet():
             host = block.buf[:nbytes].view(base.dtype).as_strided(base.shape, stride)
