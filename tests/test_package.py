@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
+import tokenize
 
 import pytest
+import torch
 
 import remat_fn
 from remat_fn import PolicyError, policies, remat
@@ -107,3 +110,43 @@ def test_modules_are_small_and_hold_only_the_library():
         assert len(text.splitlines()) <= 650, f"{p.name} has {len(text.splitlines())} lines"
         for needle in ("matplotlib", "argparse", "tqdm"):
             assert needle not in text, f"{p.name} mentions {needle}: tooling belongs outside the package"
+
+
+_PRIVATE_TORCH = re.compile(
+    r"\btorch\s*\.\s*_|\btorch\.utils\._|\btorch\.autograd\.forward_ad\._|\._schema\b|\._version\b|\._is_view\b"
+    r"|\._use_count\b|\b_saved_tensors|\b_CachingTorchDispatchMode\b|\bforward_ad\._")
+
+
+def _code_only(path) -> str:
+    """The module's source without comments and string literals (docstrings name internals)."""
+    out = []
+    with open(path, "rb") as f:
+        for tok in tokenize.tokenize(f.readline):
+            if tok.type in (tokenize.COMMENT, tokenize.STRING, tokenize.ENCODING):
+                continue
+            if sys.version_info >= (3, 12) and tok.type in (tokenize.FSTRING_START, tokenize.FSTRING_MIDDLE,
+                                                           tokenize.FSTRING_END):
+                continue
+            out.append(tok.string)
+    return " ".join(out).replace(" . ", ".").replace(" .", ".").replace(". ", ".")
+
+
+def test_private_torch_internals_are_reached_from_one_module():
+    """NOTE-style home for torch internals: remat_fn/_torch_internals.py checks each at
+    import; every other module goes through it."""
+    offenders = {}
+    for p in PKG.glob("*.py"):
+        if p.name == "_torch_internals.py":
+            continue
+        hits = sorted(set(m.group(0) for m in _PRIVATE_TORCH.finditer(_code_only(p))))
+        if hits:
+            offenders[p.name] = hits
+    assert not offenders, f"private torch internals outside remat_fn/_torch_internals.py: {offenders}"
+
+
+def test_a_missing_internal_names_the_torch_version_and_the_fix():
+    code = ("import torch; del torch._C._autograd._top_saved_tensors_default_hooks\n"
+            "try:\n    import remat_fn\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "remat_fn needs torch._C._autograd._top_saved_tensors_default_hooks" in out.stdout, out.stderr
+    assert torch.__version__ in out.stdout and "pip install 'torch>=" in out.stdout
