@@ -194,8 +194,10 @@ class Offloader:
         with quiet(), torch.cuda.stream(stream):  # pragma: no cover
             if s.event is not None:
                 stream.wait_event(s.event)
-            back = torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=s.device)
-            back.copy_(s.host, non_blocking=True)
+            # a new tensor (no in-place copy: under a functorch level that would
+            # mutate a captured tensor); the op comes back wrapped there, and
+            # streams and record_stream need the plain tensor underneath
+            back = _base(s.host.to(s.device, non_blocking=True))
             ev = torch.cuda.Event()
             ev.record(stream)
         s.back, s.back_event = back, ev  # pragma: no cover
