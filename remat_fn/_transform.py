@@ -189,10 +189,9 @@ class RematFunction:
             return self.__qualname__  # by reference, like a module-level function
         if self._factory is None:
             raise TypeError(
-                f"cannot pickle {self!r}: its saved-tensor hooks (remat_fn.distributed's "
-                "partitioning) cannot be rebuilt from its options. Fix: build the wrapper in "
-                "forward (or again after loading) instead of storing it on the pickled object; "
-                "copy.deepcopy works."
+                f"cannot pickle {self!r}: it has outer saved-tensor hooks and no factory to "
+                "rebuild it from its options. Fix: build the wrapper again after loading instead "
+                "of storing it on the pickled object (copy.deepcopy works), or set its _factory."
             )
         kwargs = dict(self.remat_options)
         ops = None

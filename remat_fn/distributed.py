@@ -543,4 +543,5 @@ def _make(fun, *, group, min_bytes, prefetch, check_replicated, should_partition
         wrapper.remat_options, group=group, min_bytes=min_bytes, prefetch=prefetch,
         check_replicated=check_replicated, should_partition=should_partition,
     )
+    wrapper._factory = remat  # pickling rebuilds it: remat(fun, **remat_options) (see RematFunction)
     return wrapper

@@ -576,24 +576,34 @@ def test_no_process_group_is_plain_remat():
     torch.testing.assert_close(g, torch.func.grad(lambda x: _run([w.detach() for w in ws], x).sum())(x))
 
 
-def test_wrapper_deep_copies_with_what_it_wraps():
+def test_wrapper_pickles_and_deep_copies_with_what_it_wraps():
     import copy
+    import io
     import pickle
 
+    f = rd.remat(_block, prefetch=False, min_bytes=4, policy=remat_fn.policies.dots_saveable)
+    g = pickle.loads(pickle.dumps(f))
+    assert g is not f and g.__wrapped__ is _block and g.remat_options == f.remat_options
+    assert g._opts.outer_hooks is not None  # rebuilt by remat_fn.distributed.remat: still partitions
+    ws, x = _params(8, 3), _data(6, 8)
+    _equal(_grads(ws, x, lambda _b: g), _grads(ws, x))
     # a module holding a distributed remat of its submodule: the copy calls its own submodule
     holder = torch.nn.Module()
     holder.sub = torch.nn.Linear(3, 3)
     holder.f = rd.remat(holder.sub, min_bytes=4)
-    twin = copy.deepcopy(holder)
-    assert twin.f.__wrapped__ is twin.sub and twin.f.remat_options == holder.f.remat_options
-    assert twin.f._opts.outer_hooks is holder.f._opts.outer_hooks  # still partitions
-    x = torch.randn(2, 3)
-    with torch.no_grad():
-        holder.sub.weight.add_(1.0)
-    assert torch.equal(twin.f(x), twin.sub(x)) and not torch.equal(twin.f(x), holder.f(x))
-    # pickling is not supported yet (the partitioning hooks are a closure): a clear error
-    with pytest.raises(TypeError, match="cannot pickle"):
-        pickle.dumps(rd.remat(_block))
+    buf = io.BytesIO()
+    torch.save(holder, buf)
+    buf.seek(0)
+    h = torch.randn(2, 3)
+    for twin in (copy.deepcopy(holder), torch.load(buf, weights_only=False)):
+        assert twin.f.__wrapped__ is twin.sub and twin.f.remat_options == holder.f.remat_options
+        assert twin.f._opts.outer_hooks is not None
+        with torch.no_grad():
+            twin.sub.weight.add_(1.0)
+        assert torch.equal(twin.f(h), twin.sub(h)) and not torch.equal(twin.f(h), holder.f(h))
+    # an option that does not pickle (a lambda) fails loudly, as for any object holding one
+    with pytest.raises((pickle.PicklingError, AttributeError)):
+        pickle.dumps(rd.remat(_block, should_partition=lambda t: True))
 
 
 def test_default_should_partition():
