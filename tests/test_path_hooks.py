@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat_fn import remat

@@ -21,6 +21,7 @@ import weakref
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (imported lazily by the first call of a dynamo-disabled
+
 # function, and that import keeps its caller's frame alive: with gc disabled, a leak-check
 # would see the frame's locals)
 import torch.utils.checkpoint as tc
@@ -623,14 +624,14 @@ def test_access_saved_tensor_twice_without_recomputation_works():
     assert count[0] == 2
     assert torch.equal(saved, d)  # (added)
     # Second access will trigger another recompute
-    d.grad_fn._saved_result
+    _ = d.grad_fn._saved_result
     assert count[0] == 3
     # Backward clears the saved variable
     d.sum().backward()
     assert count[0] == 4
     # Now it raises an error
     with pytest.raises(RuntimeError, match="or directly access saved tensors after they have already been freed"):
-        d.grad_fn._saved_result
+        _ = d.grad_fn._saved_result
 
 
 @pytest.mark.parametrize("input_requires_grad", [True, False])
