@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import optree
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def assert_tree_close(a, b, *, exact: bool = False, rtol=1e-6, atol=1e-7):
@@ -42,3 +43,16 @@ def draw_steps(draw, st, n_vals: int, max_steps: int, unary, binary):
                           draw(st.integers(0, n_vals - 1)), draw(st.integers(0, n_vals - 1))))
         n_vals += 1
     return steps, n_vals
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops run while it is active, by op name (``n["mm"]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        k = func.overloadpacket.__name__
+        self.n[k] = self.n.get(k, 0) + 1
+        return func(*args, **(kwargs or {}))

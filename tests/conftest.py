@@ -22,3 +22,19 @@ def _no_leaked_state():
     torch._C._autograd._push_saved_tensors_default_hooks(lambda t: t, lambda t: t)
     torch._C._autograd._pop_saved_tensors_default_hooks()
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None, "saved-tensor hooks leaked"
+
+
+@pytest.fixture
+def offloaders(monkeypatch):
+    """Every ``Offloader`` made during the test (one per region call), to count transfers."""
+    from remat_fn._offload import Offloader
+
+    made = []
+    orig = Offloader.__init__
+
+    def init(self):
+        orig(self)
+        made.append(self)
+
+    monkeypatch.setattr(Offloader, "__init__", init)
+    return made

@@ -799,19 +799,12 @@ def test_remat_of_while_loop():
 
 
 @pytest.mark.parametrize("how", HOWS)
-def test_remat_offload_names_jaxpr(how, monkeypatch):
+def test_remat_offload_names_jaxpr(how, offloaders):
     """``save_and_offload_only_these_names``: JAX's jaxpr has 2 copies to the host
     and 2 back; here the offloader counts its transfers (CPU to CPU)."""
-    from remat_fn import PolicyError, _offload
+    from remat_fn import PolicyError
 
-    made = []
-    orig = _offload.Offloader.__init__
-
-    def init(self):
-        orig(self)
-        made.append(self)
-
-    monkeypatch.setattr(_offload.Offloader, "__init__", init)
+    made = offloaders
     policy = policies.save_and_offload_only_these_names(
         names_which_can_be_saved=["y"], names_which_can_be_offloaded=["z", "w"],
         offload_src="cpu", offload_dst="cpu")
@@ -840,19 +833,10 @@ def test_remat_offload_names_jaxpr(how, monkeypatch):
 
 
 @pytest.mark.parametrize("how", HOWS)
-def test_remat_offload_dot_with_no_batch_dims_jaxpr(how, monkeypatch):
+def test_remat_offload_dot_with_no_batch_dims_jaxpr(how, offloaders):
     """Outputs of dots without batch dimensions are offloaded; dots with batch
     dimensions are rematerialized as usual (JAX: 1 copy to the host, 1 back)."""
-    from remat_fn import _offload
-
-    made = []
-    orig = _offload.Offloader.__init__
-
-    def init(self):
-        orig(self)
-        made.append(self)
-
-    monkeypatch.setattr(_offload.Offloader, "__init__", init)
+    made = offloaders
     pol = policies.offload_dot_with_no_batch_dims(offload_src="cpu", offload_dst="cpu")
 
     @remat(policy=pol)

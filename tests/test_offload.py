@@ -35,20 +35,6 @@ CPU = dict(offload_src="cpu", offload_dst="cpu")
 INPUTS = P.offload_inputs(leaves=True, **CPU)  # DeepSpeed's rule: every floating-point argument
 
 
-@pytest.fixture
-def offloaders(monkeypatch):
-    """Every Offloader made during the test (one per region call)."""
-    made = []
-    orig = Offloader.__init__
-
-    def init(self):
-        orig(self)
-        made.append(self)
-
-    monkeypatch.setattr(Offloader, "__init__", init)
-    return made
-
-
 def _stored(offloaders):
     return [s for o in offloaders for w in o.stored if (s := w()) is not None]
 
@@ -398,7 +384,9 @@ def test_pool_counts_allocations_once_per_shape():
     assert s["allocations"] - before["allocations"] == 3  # three inputs alive at once, one size
     assert s["reuses"] - before["reuses"] == 6
     clear_offload_pool()
-    assert offload_pool_stats()["reserved_bytes"] == 0
+    after = offload_pool_stats()
+    # what stays reserved is what is in use (by values earlier tests keep alive), nothing idle
+    assert after["reserved_bytes"] == after["in_use_bytes"] == before["in_use_bytes"]
 
 
 def test_contiguous_copies_share_one_buffer(offloaders):

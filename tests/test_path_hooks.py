@@ -3,22 +3,10 @@
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat_fn import remat
 
-from ._util import assert_tree_close
-
-
-class OpCount(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        k = func.overloadpacket.__name__
-        self.n[k] = self.n.get(k, 0) + 1
-        return func(*args, **(kwargs or {}))
+from ._util import OpCount, assert_tree_close
 
 
 def block(x, w):

@@ -5,25 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.func import grad, vmap
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 import remat_fn
 from remat_fn import PolicyError, checkpoint_name, remat
 from remat_fn import policies as P
 
-from ._util import assert_tree_close
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        k = func.overloadpacket.__name__
-        self.n[k] = self.n.get(k, 0) + 1
-        return func(*args, **(kwargs or {}))
+from ._util import OpCount, assert_tree_close
 
 
 def block(x, w1, w2):
@@ -82,7 +70,7 @@ def test_policy_gradients_equal_plain(name):
 
 
 def _mm_count(fn, eager: bool):
-    with CountOps() as c:
+    with OpCount() as c:
         if eager:
             xs, a, b = (t.clone().requires_grad_() for t in (X, W1, W2))
             loss(fn)(xs, a, b).backward()
@@ -108,28 +96,19 @@ def test_recompute_counts(eager):
     assert _mm_count(remat(block, policy=P.save_anything_except_these_names("u")), eager) == plain + 4
 
 
-def test_offload_moves_and_restores_with_counted_transfers(monkeypatch):
-    from remat_fn import _offload
-
-    made = []
-    orig = _offload.Offloader.__init__
-
-    def init(self):
-        orig(self)
-        made.append(self)
-
-    monkeypatch.setattr(_offload.Offloader, "__init__", init)
+def test_offload_moves_and_restores_with_counted_transfers(offloaders):
+    made = offloaders
     pol = P.save_and_offload_only_these_names(names_which_can_be_offloaded=["h"], offload_src="cpu",
                                               offload_dst="cpu")
     rblk = remat(block, policy=pol)
     xs, a, b = (t.clone().requires_grad_() for t in (X, W1, W2))
-    with CountOps() as c:
+    with OpCount() as c:
         y = loss(rblk)(xs, a, b)
     tanh_fwd = c.n["tanh"]
     y.backward()
     assert [o.to_dst for o in made] == [1, 1] and [o.to_src for o in made] == [1, 1]
     # tanh is not recomputed: its output comes back from the offload destination
-    with CountOps() as c2:
+    with OpCount() as c2:
         y = loss(rblk)(xs, a, b)
         y.backward()
     assert c2.n["tanh"] == tanh_fwd
@@ -233,7 +212,7 @@ def test_dots_saveable_replays_linear_on_3d_inputs_under_grad():
         return torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x, p["w1"])), p["w2"])
 
     def count(fn):
-        with CountOps() as c:
+        with OpCount() as c:
             g = grad(lambda p: fn(x, p).pow(2).sum())(params)
         return sum(c.n.get(k, 0) for k in ("mm", "addmm", "bmm")), g
 
@@ -420,12 +399,12 @@ def _backward_ops(fn, how):
     ws = [torch.randn(8, 8, requires_grad=True) for _ in range(3)]
     if how == "eager":
         out = fn(x, *ws)
-        with CountOps() as c:
+        with OpCount() as c:
             out.backward()
         grads = [w.grad for w in ws]
     else:
         out, vjp_fn = torch.func.vjp(lambda *ws: fn(x, *ws), *ws)
-        with CountOps() as c:
+        with OpCount() as c:
             grads = vjp_fn(torch.ones_like(out))
     return c.n, grads
 
