@@ -169,7 +169,8 @@ class _RematFunction(torch.autograd.Function):
             # outputs only: the others travel as its auxiliary output.
             box = []
 
-            keep = spec.keep_graph or spec.rec is not None or spec.prof is not None
+            measure = spec.rec is not None or spec.prof is not None  # what autograd would save
+            keep = spec.keep_graph or measure
 
             def f(*diff):
                 known.update(id(t) for t in diff)
@@ -182,7 +183,7 @@ class _RematFunction(torch.autograd.Function):
                 spec.escaped = []
                 o = o + tuple(r() for r in refs)
                 mask = [_is_diff(t) and carries_grad(t) for t in o]
-                box.append((rb, mask, _saved_storages(o) if spec.rec is not None or spec.prof is not None else {},
+                box.append((rb, mask, _saved_storages(o) if measure else {},
                             pos, refs))
                 # vjp wants one output at least: a constant stands in (never read)
                 return (tuple(t for t, d in zip(o, mask) if d) or (torch.zeros(()),),
