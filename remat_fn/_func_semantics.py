@@ -47,8 +47,19 @@ class NeedsGraph(Exception):
     saved-tensor hooks of :func:`keep_nothing`; the forward runs again without."""
 
 
-def _discard(_t):
-    return None
+class _Discard:
+    """The pack hook of :func:`keep_nothing`: keeps nothing, tells ``note`` (if any)
+    what autograd would have saved."""
+
+    __slots__ = ("note",)
+
+    def __init__(self, note=None):
+        self.note = note
+
+    def __call__(self, t):
+        if self.note is not None:
+            self.note(t)
+        return None
 
 
 def _never(_p):  # pragma: no cover - the forward's level is never differentiated
@@ -56,7 +67,7 @@ def _never(_p):  # pragma: no cover - the forward's level is never differentiate
 
 
 @contextlib.contextmanager
-def keep_nothing(name: str):
+def keep_nothing(name: str, note=None):
     """Saved-tensor hooks that keep nothing, for the forward's vjp level.
 
     That level only tells what plain code would see (requires_grad, grad mode,
@@ -72,7 +83,7 @@ def keep_nothing(name: str):
     msg = _hooks_off_message() if not was else None
     if not was:
         _enable_hooks()
-    _push_hooks(_discard, _never)
+    _push_hooks(_Discard(note), _never)
     refused = False
     try:
         yield
@@ -95,7 +106,7 @@ def hooks_aside():
     """Step an enclosing region's :func:`keep_nothing` hooks aside (a nested
     region enters its own ``torch.func`` level, which refuses hooks)."""
     top = _top_hooks(False)
-    if top is None or top[0] is not _discard:
+    if top is None or type(top[0]) is not _Discard:
         yield
         return
     _pop_hooks()

@@ -35,6 +35,7 @@ from ._record import Record, paused, saving
 from ._region import RegionCall
 from ._residuals import residual_sink
 from ._rng_state import RNGSnapshot
+from ._tape import Tape
 from ._torch_internals import hooks_enabled
 from ._torch_internals import pop_hooks as _pop_hooks
 from ._torch_internals import push_hooks as _push_hooks
@@ -101,7 +102,7 @@ class _Frame:
         "fun", "args", "kwargs", "name", "rng", "meta", "handles", "recomputed",
         "debug", "fwd_trace", "reach", "stash", "rec", "autocast", "in_forward", "strict",
         "input_ids", "outer", "nhandles", "saved_ptrs", "inner_backward", "prof", "prof_saved",
-        "offload_ids",
+        "offload_ids", "tape", "values", "run", "kept",
     )
 
     def __init__(self, fun, args, kwargs, name, debug):
@@ -136,6 +137,13 @@ class _Frame:
         self.nhandles = 0  # saved tensors that need recomputation
         self.saved_ptrs: dict[int, int] = {}  # storages autograd saved -> bytes (see Record.prune)
         self.offload_ids: dict = {}  # id of an input -> the Offload its policy decided for it
+        # The recorded forward (remat_fn._tape): backward replays it instead of
+        # running the function again.  None with debug checks or forward-mode AD,
+        # where the function itself runs again (and is checked).
+        self.tape = None
+        self.values: dict[int, Any] = {}  # handle index -> the tape Value it stands for
+        self.run: list[int] | None = None  # the nodes the forward's plan replays
+        self.kept: set[int] = set()  # ids of the kept Values the plan reads
 
     def stash_inputs(self, hooks) -> None:
         pack, unpack = hooks
@@ -182,6 +190,21 @@ class _Frame:
                 # outlives a graph dropped without backward until gc runs.
                 self.handles.append(_DEAD)
                 return _Direct(t.detach() if t.grad_fn is not None else t)
+        tape = self.tape
+        if tape is not None:
+            v = tape.value_of(t)
+            if v is None:
+                if id(t) not in self.input_ids or (self.outer is None and id(t) not in self.offload_ids):
+                    # from outside the region (a parameter, a buffer, a tensor it
+                    # closes over) or an input: alive anyway, kept as autograd keeps it
+                    self.handles.append(_DEAD)
+                    return _Direct(t)
+                v = tape.lookup(t)  # an input stored through hooks (see _finish_tape)
+            h = _Handle(len(self.meta) - 1)
+            self.values[h.idx] = v
+            self.handles.append(weakref.ref(h))
+            self.nhandles += 1
+            return h
         if self.outer is None and id(t) not in self.offload_ids and (
                 id(t) in self.input_ids or (t.is_leaf and t.requires_grad)):
             # An input or a parameter is alive anyway: keep it as plain autograd
@@ -203,9 +226,52 @@ class _Frame:
         if t is None:
             if self.in_forward:
                 self.inner_backward = True
-            self.recompute(h.idx if self.in_forward else None)
+            if self.tape is not None:
+                self.replay(h.idx if self.in_forward else None)
+            else:
+                self.recompute(h.idx if self.in_forward else None)
             t = self.recomputed.pop(h.idx)
         return t
+
+    # -- backward from the tape ------------------------------------------------
+    def replay(self, target: int | None) -> None:
+        """Rebuild every still-needed saved tensor (or ``target``, for a backward inside
+        the forward) by replaying the part of the tape it depends on."""
+        if self.prof is not None:
+            with timer() as tm:
+                self._replay(target)
+            self.prof.record_recompute(self.name, tm.seconds)
+        else:
+            self._replay(target)
+
+    def _replay(self, target: int | None) -> None:
+        tape, rec, values = self.tape, self.rec, self.values
+        if target is not None:  # inside the forward: nothing is final yet, recompute from outside
+            live = [target]
+            run, _, _ = tape.plan([values[target]], lambda v: False)
+        else:
+            live = [i for i, w in enumerate(self.handles) if w() is not None and i in values]
+            if len(live) == len(values):
+                run = self.run
+            else:
+                kept = self.kept
+                run, _, _ = tape.plan([values[i] for i in live], lambda v: id(v) in kept)
+        nodes = tape.nodes
+
+        def kept_value(v):
+            return rec.value(nodes[v.node].key, v.idx)
+
+        want = [values[i] for i in live]
+        if target is not None:
+            tape.paused += 1
+        try:
+            with rec.replaying() if rec is not None and target is None else _NULL:
+                got = tape.replay(run, want, kept_value, self.name)
+        finally:
+            if target is not None:
+                tape.paused -= 1
+        for i in live:
+            self.recomputed[i] = got[id(values[i])]
 
     # -- backward ------------------------------------------------------------
     def recompute(self, target: int | None = None) -> None:
@@ -354,17 +420,24 @@ def run_with_hooks(call: RegionCall) -> Any:
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     in_versions = [(x, version_of(x)) for x in tensors]
     frame.input_ids = {id(x) for x in tensors}
-    snap = RNGSnapshot(call.rng_devices(tensors)) if preserve_rng_state else None
+    fwd_mode = forward_mode_active()
+    if not frame.strict and not fwd_mode:
+        # backward replays the recorded ops (random ones from the generator states
+        # recorded with them): no snapshot of the whole region needed
+        frame.tape = Tape()
+        snap = None
+    else:
+        snap = RNGSnapshot(call.rng_devices(tensors)) if preserve_rng_state else None
     frame.rng = snap  # provisional: a backward inside the forward may recompute
     policy = call.policy("eager", tensors)
     if type(policy) is Measuring:  # memory_budget's first call: activation inputs count
         policy.note_inputs(storage_ptr(t) for t in tensors if t.grad_fn is not None)
-    if policy is not None and not forward_mode_active():
+    if policy is not None and not fwd_mode:
         frame.rec = Record(policy)
         frame.offload_ids = {id(tensors[i]): d for i, d in input_offloads(policy, tensors).items()}
     _push_hooks(frame.pack, frame.unpack)
     try:
-        with saving(frame.rec, recompute=False):
+        with saving(frame.rec, recompute=False, tape=frame.tape):
             if debug:
                 with OpTrace() as tr:
                     out = fun(*args, **kwargs)
@@ -378,6 +451,8 @@ def run_with_hooks(call: RegionCall) -> Any:
         # hooks: the caller reruns the region on the hook-free path.
         if snap is not None:
             snap.restore_now()
+        elif frame.tape is not None:
+            frame.tape.restore_rng()
         raise NeedsTorchFuncPath() from None
     finally:
         _pop_hooks()
@@ -386,7 +461,12 @@ def run_with_hooks(call: RegionCall) -> Any:
         frame.recomputed.clear()
     if frame.rec is not None:
         frame.rec.hint_outputs(optree.tree_leaves(out))
-    if frame.nhandles:
+    if frame.nhandles and frame.tape is not None:
+        for x, v in in_versions:
+            if version_of(x) != v:
+                raise mutated_input(name, x)
+        _finish_tape(frame, tensors, out, outer)
+    elif frame.nhandles:
         for x, v in in_versions:
             if version_of(x) != v:
                 raise mutated_input(name, x)
@@ -421,6 +501,7 @@ def run_with_hooks(call: RegionCall) -> Any:
                 frame.rec.seal(optree.tree_leaves(out))
     else:
         frame.rec = None  # nothing will be recomputed: keep nothing
+        frame.tape = None
         frame.args = frame.kwargs = None
     frame.saved_ptrs = None
     if snap is not None and snap.finish():
@@ -428,6 +509,59 @@ def run_with_hooks(call: RegionCall) -> Any:
     if prof is not None:
         _report(frame, prof, start, in_versions)
     return out
+
+
+def _finish_tape(frame: _Frame, tensors, out, outer) -> None:
+    """After the forward: plan the replay from what autograd saved (JAX's rule: keep the
+    saveable values that backward or the replay reads, recompute the rest) and
+    let go of everything else."""
+    tape, rec = frame.tape, frame.rec
+    nodes = tape.nodes
+    if rec is not None:
+        def kept(v):
+            key = nodes[v.node].key
+            return key is not None and rec.has(key, v.idx)
+    else:
+        def kept(v):
+            return False
+    roots = list(frame.values.values())
+    run, used_kept, used_outside = tape.plan(roots, kept)
+    frame.run = run
+    frame.kept = {id(v) for v in used_kept}
+    offl = frame.offload_ids = unaliased(frame.offload_ids, tensors, out)
+    # Inputs the replay reads are stored through the enclosing hooks (an enclosing
+    # region recomputes them, remat_fn.distributed keeps a slice) or offloaded.
+    store = None
+    if outer is not None:
+        store = requesting(outer, offl, rec.offloader) if offl and rec is not None else outer
+    elif offl:
+        store = hooks_for_inputs(offl, rec.offloader)
+    if store is not None:
+        by_id: dict[int, list] = {}
+        for v in used_outside:
+            by_id.setdefault(id(v.t), []).append(v)
+        for x in tensors:  # in argument order
+            if outer is not None or id(x) in offl:
+                for v in by_id.pop(id(x), ()):
+                    v.store = (store[0](v.t), store[1])
+                    v.t = None
+    if rec is not None:
+        rec.producer = {}
+        rec.retain({(nodes[v.node].key, v.idx) for v in used_kept})
+        if isinstance(rec.policy, Measuring):  # memory_budget's first call
+            rec.policy.finish()
+        sink = residual_sink()
+        if sink is not None:
+            for key, _, t, kind, nm in rec.kept():
+                sink.append((t, kind, nm, f"aten.{key[0].overloadpacket.__name__}"))
+            report_inputs(sink, tensors, offl)
+        if outer is not None and rec.entries:
+            rec.stash_through(outer)  # the enclosing hooks check versions
+        else:
+            rec.seal(optree.tree_leaves(out))
+    tape.release(used_outside)
+    tape.keep_only(run, used_kept)
+    frame.fun = frame.args = frame.kwargs = None
 
 
 def _report(frame: _Frame, prof, start: float, in_versions) -> None:

@@ -42,10 +42,12 @@ from ._func_semantics import NeedsGraph, check_lazy_outputs, check_unsure, conne
 from ._functorch import carries_grad, grad_wrappers, is_grad_kind, is_wrapped, live_levels, needs_grad, storage_ptr, unwrap_all, unwrap_if_dead
 from ._offload import FuncInputs, hint, input_offloads
 from ._profile import active, storage_bytes
-from ._record import Record, saving
+from ._record import Diverged, Record, saving
 from ._region import RegionCall
 from ._rng_state import RNGSnapshot
+from ._tape import Tape
 from ._torch_internals import saved_tensor_attrs, use_count
+from ._torch_internals import version as version_of
 
 __all__ = ["run_torch_func"]
 
@@ -62,7 +64,7 @@ class _RegionState:
     __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "reach",
                  "fwd_hits", "rec", "needs", "trace", "views", "autocast", "produced", "prof",
                  "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
-                 "offload")
+                 "offload", "tape", "plan", "outside")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -95,6 +97,9 @@ class _RegionState:
         self.prof = None  # the remat_fn.profile() active at forward, if any
         self.plain_bytes = 0  # what plain autograd would save (measured while profiling)
         self.offload: FuncInputs | None = None  # inputs the policy offloads (remat_fn._offload)
+        self.tape: Tape | None = None  # the forward's ops (remat_fn._tape)
+        self.plan: set[int] | None = None  # the tape nodes the recomputation computes
+        self.outside: list = []  # (tensor, version) of the outside tensors the recomputation reads
 
     def call(self, tensors, known: set[int] | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
@@ -168,13 +173,21 @@ class _RematFunction(torch.autograd.Function):
             # keeps nothing (see keep_nothing).  vjp differentiates floating
             # outputs only: the others travel as its auxiliary output.
             box = []
+            keep = spec.keep_graph
+            measure = spec.rec.policy is not None or spec.prof is not None  # what autograd would save
+            tape = spec.tape
+            roots: list = []
+            noted: dict[int, int] = {}
 
-            measure = spec.rec is not None or spec.prof is not None  # what autograd would save
-            keep = spec.keep_graph or measure
+            def note(t):  # a tensor autograd saves: backward needs its value
+                _note_storage(noted, t)
+                v = tape.value_of(unwrap_all(t))
+                if v is not None:
+                    roots.append(v)
 
             def f(*diff):
                 known.update(id(t) for t in diff)
-                with _NULL if keep else keep_nothing(spec.name):
+                with _NULL if keep else keep_nothing(spec.name, note):
                     o, rb = spec.call(_replace(tensors, wrt, diff), known)
                 # side outputs: candidates now (a tensor the graph saved is alive
                 # too), confirmed once the level's graph is gone (below)
@@ -183,13 +196,13 @@ class _RematFunction(torch.autograd.Function):
                 spec.escaped = []
                 o = o + tuple(r() for r in refs)
                 mask = [_is_diff(t) and carries_grad(t) for t in o]
-                box.append((rb, mask, _saved_storages(o) if measure else {},
+                box.append((rb, mask, _saved_storages(o) if keep and measure else noted,
                             pos, refs))
                 # vjp wants one output at least: a constant stands in (never read)
                 return (tuple(t for t, d in zip(o, mask) if d) or (torch.zeros(()),),
                         tuple(t for t, d in zip(o, mask) if not d))
 
-            with saving(spec.rec, recompute=False), hooks_aside():
+            with saving(spec.rec, recompute=False, tape=tape), hooks_aside():
                 douts, vjp_fn, aux = torch.func.vjp(f, *[tensors[i] for i in wrt], has_aux=True)
             del vjp_fn  # the level's graph: what it saved dies here
             rebuild, mask, saved, pos, refs = box.pop()
@@ -214,16 +227,21 @@ class _RematFunction(torch.autograd.Function):
             outs = outs[:n] + tuple(outs[n + k] for k in side)
             mask = mask[:n] + [mask[n + k] for k in side]
             spec.plain_bytes = sum(saved.values())
-            if spec.rec is not None:
-                # keep no more than autograd saves (see Record.prune), and the
-                # region's outputs: alive anyway (usually the next region's input),
-                # and this path always recomputes up to them
+            rec = spec.rec
+            if keep:
+                # the function calls torch.func (which refuses hooks): what autograd
+                # saved is only known by storage; keep those values, and the
+                # region's outputs (alive anyway), and recompute the whole region
                 keep_ptrs = set(saved) | {p for o in outs if (p := storage_ptr(o)) is not None}
-                spec.rec.prune(keep_ptrs, set(saved))  # an offloaded output: recomputed, not copied
-                if isinstance(spec.rec.policy, Measuring):  # memory_budget's first call
-                    spec.rec.policy.finish(saved)
+                rec.prune(keep_ptrs, set(saved))  # an offloaded output: recomputed, not copied
+                spec.tape = None
+            else:
+                _plan(spec, roots)
+            if isinstance(rec.policy, Measuring):  # memory_budget's first call
+                rec.policy.finish(saved)
         else:
             mask = None
+            spec.tape = None  # nothing will be differentiated
             with saving(spec.rec, recompute=False), torch.set_grad_enabled(spec.grad_mode):
                 outs, rebuild = spec.call(tensors, known)
             spec.escaped = []
@@ -279,10 +297,18 @@ class _RematFunction(torch.autograd.Function):
         )
 
         f = _recompute_fn(spec, tensors, wrt, out_diff)
-        with torch.no_grad() if detach else contextlib.nullcontext(), spec.rng or _NULL, spec.autocast:
+        # Ops whose results backward does not need are skipped (see Tape.plan) when
+        # nothing outside differentiates this backward; otherwise all run.
+        plan = spec.plan if detach else None
+        with torch.no_grad() if detach else contextlib.nullcontext(), spec.autocast:
             start = time.perf_counter()
-            with saving(spec.rec, recompute=True), random_in_vmap(spec.name):
-                _, vjp_fn = torch.func.vjp(f, *[tensors[i] for i in wrt])
+            try:
+                with spec.rng or _NULL, saving(spec.rec, recompute=True, tape=spec.tape, plan=plan), \
+                        random_in_vmap(spec.name):
+                    _, vjp_fn = torch.func.vjp(f, *[tensors[i] for i in wrt])
+            except Diverged:
+                with spec.rng or _NULL, saving(spec.rec, recompute=True), random_in_vmap(spec.name):
+                    _, vjp_fn = torch.func.vjp(f, *[tensors[i] for i in wrt])
             if spec.prof is not None:
                 spec.prof.record_recompute(spec.name, time.perf_counter() - start)
             gin = vjp_fn(cot)
@@ -349,6 +375,29 @@ def _saved_storages(outs) -> dict[int, int]:
     return found
 
 
+def _plan(spec: _RegionState, roots) -> None:
+    """JAX's rule on the recorded forward: keep the saveable values backward or the
+    recomputation of what it needs reads; compute only those ops (see Tape.plan)."""
+    tape, rec = spec.tape, spec.rec
+    nodes = tape.nodes
+
+    def kept(v):
+        key = nodes[v.node].key
+        return key is not None and rec.has(key, v.idx)
+
+    run, used_kept, used_outside = tape.plan(roots, kept)
+    rec.retain({(nodes[v.node].key, v.idx) for v in used_kept})
+    tape.release(used_outside)
+    # The recomputation re-runs the function, which reads the live tensors: the ones
+    # the needed ops read must still be what the forward read.
+    spec.outside = [(v.t, v.version) for v in used_outside if v.snap is None and v.t is not None]
+    for n in nodes:
+        for v in n.reads:
+            if v.node < 0 and v.snap is None:
+                v.t = None
+    spec.plan = set(run)
+
+
 def _note_storage(found: dict[int, int], t: torch.Tensor) -> None:
     try:
         st = unwrap_all(t).untyped_storage()
@@ -408,6 +457,15 @@ def _recompute_fn(spec: _RegionState, tensors, wrt, out_diff):
 
 def _saved(ctx, spec: _RegionState):
     spec.reach.check_versions(spec.name)
+    for t, v in spec.outside:
+        if version_of(t) != v:
+            raise MutatedSavedTensorError(
+                f"The tensor {describe(t)} that remat({spec.name}) reads to recompute its saved "
+                "values (an argument, a parameter, a buffer or a tensor it closes over) was modified "
+                f"in place after the forward (version {v} -> {version_of(t)}). Fix: clone it before "
+                "modifying it (x = x.clone()), or apply the in-place update (e.g. optimizer.step()) "
+                "after the backward pass."
+            )
     try:
         # A vjp_fn called after its level exited hands us dead wrappers; a new
         # level created inside this backward may reuse their level number.
@@ -514,8 +572,9 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         spec = _RegionState(call.run, len(inputs), captured, name, debug, reach, expand)
         spec.produced = produced
         spec.keep_graph = keep_graph
+        spec.rec = Record(policy)  # (without a policy: the op sequence, for the plan)
+        spec.tape = Tape(func_path=True)
         if policy is not None:
-            spec.rec = Record(policy)
             spec.offload = FuncInputs(input_offloads(policy, inputs))
         spec.needs = [grad_mode and needs_grad(t) and _is_diff(t) for t in (*inputs, *captured)]
         spec.prof = prof
@@ -556,7 +615,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         if spec.rec is not None:
             kept += [t for _, _, t, kind, _ in spec.rec.kept() if kind == "saved"]
         prof.record_call(name, time.perf_counter() - start, storage_bytes(kept), spec.plain_bytes,
-                         spec.rec.offloader.bytes_by_dst() if spec.rec is not None else None)
+                         spec.rec.offloader.bytes_by_dst() if spec.rec.policy is not None else None)
     n = spec.n_out
     outs, side = list(outs[:n]), outs[n:]
     if side:

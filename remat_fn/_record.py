@@ -28,11 +28,12 @@ from ._functorch import forward_mode_active, storage_ptr
 from ._functorch import unwrap_all as _base
 from ._offload import Offloader, Stored, hint, meta_args, tag_name
 from ._residuals import residual_sink
+from ._tape import Value, run_recorded, written_tensors
 from ._torch_internals import DisableTorchFunction, TorchDispatchMode, schema
 from ._torch_internals import version as version_of
 from .policies import NAMED, Offload, PolicyContext, decide
 
-__all__ = ["Record", "SaveMode", "saving", "paused", "checkpoint_name"]
+__all__ = ["Record", "SaveMode", "saving", "paused", "checkpoint_name", "Diverged"]
 
 _local = threading.local()
 _no_torch_function = DisableTorchFunction
@@ -102,6 +103,7 @@ class Record:
         self.kept_ptrs: set[int] = set()  # storages of the values decided "save"
         self.pending: dict[int, list] = {}  # storage -> [(op key, index)] of offloads not copied yet
         self.offload_ops: dict[tuple, tuple] = {}  # op key -> (op, meta args) of ops decided "offload"
+        self.seq_nodes: list[int] = []  # per op of ``seq``: its node on the region's tape
 
     # -- forward -------------------------------------------------------------
     def before_mutation(self, func, args, kwargs) -> None:
@@ -270,6 +272,46 @@ class Record:
             for i, h in e.offloaded.items():
                 yield key, i, h.host if type(h) is Stored else h.t, "offloaded", e.name
 
+    def has(self, key, i: int) -> bool:
+        """Whether the policy keeps output ``i`` of the op ``key`` (saved or offloaded)."""
+        e = self.entries.get(key)
+        return e is not None and (e.out is not None or i in e.parts or i in e.offloaded)
+
+    def value(self, key, i: int) -> torch.Tensor:
+        """The kept output ``i`` of the op ``key`` (fetched back if offloaded)."""
+        e = self.entries[key]
+        if i in e.offloaded:
+            return self.offloader.fetch(e.offloaded[i])
+        if i in e.parts:
+            return _base(e.parts[i].detach())
+        leaves = e.out if type(e.out) in (tuple, list) else (e.out,)
+        return _base(leaves[i].detach())
+
+    def retain(self, used: set) -> None:
+        """Keep only the outputs ``used`` (``(key, index)`` pairs): the saveable values that
+        backward, or the recomputation of what backward needs, reads (JAX's rule: no
+        dead copies).  Offloads among them are copied now (unless already copied);
+        never a copy that backward does not fetch."""
+        for key in list(self.entries):
+            e = self.entries[key]
+            if e.out is not None:
+                leaves = e.out if type(e.out) in (tuple, list) else (e.out,)
+                for i, t in enumerate(leaves):
+                    if isinstance(t, torch.Tensor) and (key, i) in used:
+                        e.parts[i] = t
+                e.out = None
+            for i in [i for i in e.parts if (key, i) not in used]:
+                del e.parts[i]
+            for i in list(e.offloaded):
+                h = e.offloaded[i]
+                if (key, i) not in used:
+                    del e.offloaded[i]
+                elif type(h) is _Pending:
+                    e.offloaded[i] = self.offloader.put(h.t, torch.device(h.d.dst), h.d.contiguous)
+            if not e.parts and not e.offloaded:
+                del self.entries[key]
+        self.pending = {}
+
     def prune(self, saved: set[int], offload: set[int] | None = None) -> None:
         """Keep only values autograd itself saved (``saved``: their storages;
         ``offload``: the storages an offloaded value must be among, default ``saved``).
@@ -334,6 +376,21 @@ class Record:
     def prefetch(self) -> None:
         self.offloader.begin(recompute=True)
 
+    @contextlib.contextmanager
+    def replaying(self):
+        """Around a replay of the region's tape: kept values checked, back from the
+        enclosing hooks and the offload device; handed back to the hooks after."""
+        self.check_versions()
+        self.unstash()
+        self.prefetch()
+        try:
+            yield
+        finally:
+            if self.stash is not None:
+                for e in self.entries.values():
+                    e.out = None
+                    e.parts = {}
+
     def replay(self, func, key, args, kwargs):
         e = self.entries.get(key)
         if e is None:
@@ -364,15 +421,26 @@ def _single_output(func) -> bool:
     return len(rets) == 1 and str(rets[0].type) == "Tensor"
 
 
-class SaveMode(TorchDispatchMode):
-    """Applies a :class:`Record` in the forward (``recompute=False``) or replays it."""
+class _Diverged(Exception):
+    """Internal: a recomputation that skipped ops stopped following the forward's op
+    sequence; it runs again computing everything."""
 
-    def __init__(self, rec: Record, recompute: bool):
+
+class SaveMode(TorchDispatchMode):
+    """Records a region's forward (``recompute=False``: the :class:`~remat_fn._tape.Tape`
+    and the :class:`Record` of policy decisions) or applies them to a recomputation
+    that re-runs the function (the torch.func path): kept outputs are returned,
+    and with a ``plan`` ops whose results nothing needs are not computed."""
+
+    def __init__(self, rec: Record | None, recompute: bool, tape=None, plan=None):
         super().__init__()
         self.rec = rec
+        self.tape = tape
         self.recompute = recompute
+        self.plan = plan  # (set of node indices to compute) on a torch.func recomputation
         self.counts: dict[Any, int] = {}
         self.pos = 0
+        self.dummies = False  # an op was skipped (its outputs are placeholders)
         # Forward-mode tangent ops interleave with the region's own ops, so no
         # replay while forward-mode AD is on (see forward_mode_active).
         self.diverged = recompute and forward_mode_active()
@@ -382,7 +450,7 @@ class SaveMode(TorchDispatchMode):
         if stack is None:
             stack = _local.stack = []
         stack.append(self)
-        if self.recompute:
+        if self.recompute and self.rec is not None:
             self.rec.check_versions()
             self.rec.unstash()
             self.rec.prefetch()
@@ -393,8 +461,9 @@ class SaveMode(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             _local.stack.pop()
-            if self.recompute and self.rec.stash is not None:
-                for e in self.rec.entries.values():  # back in the enclosing hooks' hands
+            rec = self.rec
+            if self.recompute and rec is not None and rec.stash is not None:
+                for e in rec.entries.values():  # back in the enclosing hooks' hands
                     e.out = None
                     e.parts = {}
 
@@ -405,32 +474,98 @@ class SaveMode(TorchDispatchMode):
             return self._dispatch(func, args, kwargs or {})
 
     def _dispatch(self, func, args, kwargs):
-        if (self.rec.paused and not self.recompute) or func is _DETACH:
+        rec = self.rec
+        tape = self.tape
+        if self.recompute:
+            if func is _DETACH or rec is None:
+                return func(*args, **kwargs)
+            return self._recompute(rec, func, args, kwargs)
+        if (rec is not None and rec.paused) or (tape is not None and tape.paused):
+            return func(*args, **kwargs)
+        if func is _DETACH:
             # A detach is never kept (a view) and autograd under a functorch grad
             # level inserts its own detaches where the forward ran none: leaving
-            # them out of the op sequence keeps the replay aligned.
-            return func(*args, **kwargs)
+            # them out of the policy's op sequence keeps the replay aligned.
+            if tape is None:
+                return func(*args, **kwargs)
+            node = tape.before(func, None, args, kwargs)
+            out = func(*args, **kwargs)
+            tape.after(node, out, args, kwargs)
+            return out
         n = self.counts.get(func, 0)
         self.counts[func] = n + 1
         key = (func, n)
-        if self.recompute:
-            # Replay kept outputs only while the recomputation runs exactly the
-            # forward's op sequence; from the first difference on (an op whose
-            # decomposition depends on grad mode, say) everything is recomputed,
-            # which is always correct.
-            seq = self.rec.seq
-            if not self.diverged and (self.pos >= len(seq) or seq[self.pos] is not func):
-                self.diverged = True
-            self.pos += 1
-            if self.diverged:
-                return func(*args, **kwargs)
-            return self.rec.replay(func, key, args, kwargs)
-        self.rec.seq.append(func)
-        if self.rec.entries and schema(func).is_mutable and func.overloadpacket not in _METADATA_ONLY:
-            self.rec.before_mutation(func, args, kwargs)
+        node = None
+        if tape is not None:
+            node = tape.before(func, key, args, kwargs)
+        if rec is not None:
+            rec.seq.append(func)
+            if tape is not None:
+                rec.seq_nodes.append(len(tape.nodes))
+            if rec.entries and schema(func).is_mutable and func.overloadpacket not in _METADATA_ONLY:
+                rec.before_mutation(func, args, kwargs)
         out = func(*args, **kwargs)
-        self.rec.after_op(func, key, args, kwargs, out)
+        if node is not None:
+            tape.after(node, out, args, kwargs)
+        if rec is not None:
+            rec.after_op(func, key, args, kwargs, out)
         return out
+
+    def _recompute(self, rec: Record, func, args, kwargs):
+        n = self.counts.get(func, 0)
+        self.counts[func] = n + 1
+        key = (func, n)
+        # Replay kept outputs only while the recomputation runs exactly the
+        # forward's op sequence; from the first difference on (an op whose
+        # decomposition depends on grad mode, say) everything is recomputed,
+        # which is always correct, unless ops were skipped before: then it runs
+        # again, whole.
+        seq = rec.seq
+        pos = self.pos
+        if not self.diverged and (pos >= len(seq) or seq[pos] is not func):
+            self.diverged = True
+            if self.dummies:
+                raise _Diverged()
+        self.pos = pos + 1
+        if self.diverged:
+            return func(*args, **kwargs)
+        plan = self.plan
+        if plan is None:
+            return rec.replay(func, key, args, kwargs)
+        node = self.tape.nodes[rec.seq_nodes[pos]]
+        if rec.entries.get(key) is not None and not node.writes:
+            return rec.replay(func, key, args, kwargs)
+        if rec.seq_nodes[pos] in plan or func.is_view:
+            if node.writes:  # writes into tensors from outside go to copies of what the forward read
+                args, kwargs = _redirect_writes(node, args, kwargs)
+            return run_recorded(node, args, kwargs)
+        self.dummies = True
+        return _placeholder(node, args, kwargs)
+
+
+def _redirect_writes(node, args, kwargs):
+    flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+    for j, v in enumerate(node.flat):
+        if type(v) is Value and v.node < 0 and v.snap is not None:
+            flat[j] = v.snap.clone()
+    return optree.tree_unflatten(spec, flat)
+
+
+def _placeholder(node, args, kwargs):
+    """What a skipped op returns: its written arguments as they are (no write), new
+    tensors of the recorded sizes and strides otherwise (never read: see Tape.plan)."""
+    multi, metas = node.meta
+    written = {n: t for (n, _), t in zip(node.writes, written_tensors(node.func, args, kwargs))} if node.writes else {}
+    alias = {}
+    if written:
+        for i, v in enumerate(node.outs):
+            for n, w in node.writes:
+                if w is v:
+                    alias[i] = written[n]
+    leaves = [alias[i] if i in alias else
+              torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3])
+              for i, m in enumerate(metas)]
+    return multi(leaves) if multi is not None else leaves[0]
 
 
 @contextlib.contextmanager
@@ -448,9 +583,12 @@ def paused(rec: Record | None):
     return contextlib.nullcontext() if rec is None else _paused(rec)
 
 
-def saving(rec: Record | None, recompute: bool):
-    """The context that applies (``recompute=False``) or replays ``rec``; a no-op without one."""
-    return contextlib.nullcontext() if rec is None else SaveMode(rec, recompute)
+def saving(rec: Record | None, recompute: bool, tape=None, plan=None):
+    """The context that records (``recompute=False``) or replays ``rec`` and ``tape``;
+    a no-op without either."""
+    if rec is None and tape is None:
+        return contextlib.nullcontext()
+    return SaveMode(rec, recompute, tape, plan)
 
 
 def checkpoint_name(x: Any, name: str) -> Any:
@@ -479,7 +617,7 @@ def checkpoint_name(x: Any, name: str) -> Any:
     stack = getattr(_local, "stack", None)
     if stack:
         mode = stack[-1]
-        if not mode.recompute and mode.rec.policy is not None:
+        if not mode.recompute and mode.rec is not None and mode.rec.policy is not None:
             # paused: the detach that keeps the value is bookkeeping, not an op of
             # the region; recorded, it would shift the replayed op sequence
             with _no_torch_function(), _paused(mode.rec):
@@ -487,3 +625,6 @@ def checkpoint_name(x: Any, name: str) -> Any:
                     if isinstance(t, torch.Tensor):
                         mode.rec.named(t, name)
     return x
+
+
+Diverged = _Diverged

@@ -165,7 +165,9 @@ def checkpoint(
     global_early_stop = checkpoint_flag("_enable_checkpoint_early_stop")
     if global_early_stop is not None:
         early_stop = global_early_stop
-    if early_stop:
+    if early_stop and contexts is None:
+        # (a generic context_fn's recompute context wraps a re-run of the function,
+        # as in torch: such calls re-run it, whole and checked)
         return call_once(function, args, kwargs, policy=policy, preserve_rng_state=preserve_rng_state,
                          debug=bool(debug))
     with _early_stop(False):

@@ -1,0 +1,416 @@
+"""The tape: a region's ops recorded once, in its one real forward, and replayed in backward.
+
+A :class:`Tape` is filled by the region's dispatch mode (:class:`remat_fn._record.SaveMode`,
+below autograd and below every functorch layer, so it sees the real tensors
+and the ops that really run).  Each :class:`Node` is one aten op: the op, its
+arguments with every tensor replaced by the :class:`Value` it holds, the state
+of the generator it draws from (for random ops) and which of its outputs are
+new values.  A value is the output of a node, or a tensor from outside the
+region (an argument, a parameter, a buffer, a tensor the function closes
+over) at the version it was read.
+
+After the forward, :meth:`Tape.plan` takes the values backward needs (what
+autograd saved) and walks back from them, JAX-style: a value the policy kept
+stops the walk, a value from outside is read as it is, anything else is
+recomputed by its node, whose inputs are needed in turn.  So the
+recomputation (:meth:`Tape.replay`) runs exactly the ops backward needs, keeps
+exactly the saveable values those ops (or backward) read, and never runs the
+user's Python again: side effects (BatchNorm's running statistics, a cache, a
+counter, a print) happen once, in the forward.
+
+Writes into tensors from outside (a buffer updated in place) are replayed into
+copies: before such a write the values of that storage read so far are
+copied (tentatively: the copy is kept only if a replayed op reads it), so the
+replay reads exactly what the forward read and never writes a tensor it does
+not own.  Every outside tensor the replay reads is checked against the version
+it had when the forward read it (:class:`~remat_fn.MutatedSavedTensorError`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any
+
+import optree
+import torch
+
+from ._describe import describe_meta
+from ._errors import MutatedSavedTensorError
+from ._torch_internals import schema
+from ._torch_internals import version as version_of
+
+__all__ = ["Tape", "Value", "Node"]
+
+_SEEDED = torch.Tag.nondeterministic_seeded
+_DYNAMIC = tuple(t for t in (getattr(torch.Tag, "dynamic_output_shape", None),
+                             getattr(torch.Tag, "data_dependent_output", None)) if t is not None)
+
+
+class Value:
+    """A tensor value of the region: output ``idx`` of node ``node`` (``node >= 0``), or
+    an outside tensor ``t`` at ``version`` (``node == -1``)."""
+
+    __slots__ = ("node", "idx", "t", "version", "snap", "store", "ptr")
+
+    def __init__(self, node: int, idx: int, t=None, version: int = 0, ptr: int = 0):
+        self.node = node
+        self.idx = idx
+        self.t = t  # outside tensors only (held: the replay may read them)
+        self.version = version
+        self.snap = None  # a copy taken before the region wrote into this tensor
+        self.store = None  # (packed, unpack): stored through enclosing hooks
+        self.ptr = ptr
+
+    def __repr__(self):  # pragma: no cover - debugging aid
+        return f"Value(node={self.node}, idx={self.idx})" if self.node >= 0 else "Value(outside)"
+
+
+class Node:
+    """One recorded op."""
+
+    __slots__ = ("func", "flat", "spec", "reads", "outs", "writes", "rng", "key", "meta", "always")
+
+    def __init__(self, func, flat, spec, reads, rng, key):
+        self.func = func
+        self.flat = flat  # argument leaves, tensors replaced by their Values
+        self.spec = spec
+        self.reads = reads  # the Values the op reads (arguments and earlier writes to their storage)
+        self.outs: list = []  # per output leaf: its Value, or None (not a tensor)
+        self.writes: list = []  # (argument position, Value of the written tensor after the op)
+        self.rng = rng  # (generator, state before the op) for random ops
+        self.key = key  # the policy's key of the op: (op, n-th call), None for detach
+        self.meta: list | None = None  # output (size, stride, dtype, device), on the torch.func path
+        self.always = False  # its result steers Python (a scalar, a data-dependent shape)
+
+
+_WRITES: dict[Any, tuple] = {}
+# ops that update BatchNorm's running statistics in place although their schema does
+# not say so (the ``training`` flag is argument 5)
+_UNDECLARED = tuple(getattr(getattr(torch.ops.aten, n, None), "default", None)
+                    for n in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"))
+
+
+def _written_positions(func) -> tuple:
+    """(position, name) of the arguments ``func`` writes in place."""
+    w = _WRITES.get(func)
+    if w is None:
+        if func in _UNDECLARED:
+            args = schema(func).arguments
+            w = ((3, args[3].name), (4, args[4].name))
+        else:
+            w = tuple(
+                (i, a.name) for i, a in enumerate(schema(func).arguments)
+                if a.alias_info is not None and a.alias_info.is_write)
+        _WRITES[func] = w
+    return w
+
+
+def written_tensors(func, args, kwargs) -> list:
+    out = []
+    for i, name in _written_positions(func):
+        v = args[i] if i < len(args) else kwargs.get(name)
+        for t in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _ptr(t: torch.Tensor) -> int:
+    if type(t) not in _PLAIN:  # a subclass may have no storage (asking can abort the process)
+        return 0
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return 0
+    return st.data_ptr() if st.nbytes() else 0
+
+
+def _generator(func, args, kwargs):
+    g = kwargs.get("generator")
+    if g is not None:
+        return g
+    dev = kwargs.get("device")
+    if dev is None:
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                dev = a.device
+                break
+    dev = torch.device(dev) if dev is not None else torch.device("cpu")
+    if dev.type == "cpu":
+        return torch.default_generator
+    if dev.type == "cuda":
+        return torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()]
+    return None  # pragma: no cover - other devices: no per-op state (the region snapshot covers them)
+
+
+@contextlib.contextmanager
+def _no_autocast():
+    """The recorded ops are the ones autocast already chose: replay them as they are."""
+    on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    if not on:
+        yield
+        return
+    with contextlib.ExitStack() as st:
+        for d in on:
+            st.enter_context(torch.autocast(d, enabled=False))
+        yield
+
+
+class Tape:
+    """The ops of one forward of one region (see the module docstring)."""
+
+    def __init__(self, func_path: bool = False):
+        self.nodes: list[Node] = []
+        self.func_path = func_path  # record output metadata (the torch.func recomputation)
+        # id(tensor) -> (Value, weak ref to the tensor, or the tensor itself for outside ones)
+        self.reg: dict[int, tuple] | None = {}
+        self.region_ptrs: set[int] = set()  # storages allocated by the region's ops
+        self.last_write: dict[int, Value] = {}  # storage -> Value written last
+        self.outside: dict[int, list] = {}  # storage -> outside Values read from it
+        self.paused = 0
+        self.stale: list = []  # outside Values whose tensor the region wrote after reading them
+
+    # -- forward -------------------------------------------------------------
+    def lookup(self, t: torch.Tensor) -> Value:
+        reg = self.reg
+        e = reg.get(id(t))
+        if e is not None:
+            v, ref = e
+            if v.node >= 0:
+                if ref() is t:
+                    return v
+            elif ref is t and v.version == version_of(t):
+                return v
+        ptr = _ptr(t)
+        v = Value(-1, 0, t, version_of(t), ptr)
+        reg[id(t)] = (v, t)
+        if ptr:
+            self.outside.setdefault(ptr, []).append(v)
+        return v
+
+    def value_of(self, t: torch.Tensor) -> Value | None:
+        """The Value ``t`` holds now (a saved tensor, at pack time), if the region made it."""
+        e = self.reg.get(id(t)) if self.reg is not None else None
+        if e is None:
+            return None
+        v, ref = e
+        if v.node >= 0 and ref() is t:
+            return v
+        return None
+
+    def before(self, func, key, args, kwargs) -> Node:
+        flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+        reads = []
+        last = self.last_write
+        for j, x in enumerate(flat):
+            if isinstance(x, torch.Tensor):
+                v = self.lookup(x)
+                flat[j] = v
+                reads.append(v)
+                if last:
+                    w = last.get(v.ptr if v.node < 0 else _ptr(x))
+                    if w is not None:
+                        reads.append(w)
+        rng = None
+        if _SEEDED in func.tags:
+            g = _generator(func, args, kwargs)
+            if g is not None:
+                rng = (g, g.get_state())
+        node = Node(func, flat, spec, reads, rng, key)
+        if _written_positions(func):
+            for t in written_tensors(func, args, kwargs):
+                p = _ptr(t)
+                if p and p not in self.region_ptrs:
+                    self._snapshot(p)
+        return node
+
+    def _snapshot(self, ptr: int) -> None:
+        """The region writes into an outside storage: copy the values read from it so far."""
+        for v in self.outside.pop(ptr, ()):
+            if v.snap is None and version_of(v.t) == v.version:
+                with torch.no_grad():
+                    v.snap = v.t.clone()
+                self.stale.append(v)
+
+    def after(self, node: Node, out, args, kwargs) -> None:
+        k = len(self.nodes)
+        self.nodes.append(node)
+        reg = self.reg
+        leaves = out if type(out) in (tuple, list) else (out,)
+        view = node.func.is_view
+        if self.func_path:
+            node.meta = (type(out) if type(out) in (tuple, list) else None,
+                         [(t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else None
+                          for t in leaves])
+        outs = node.outs
+        for i, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor):
+                v = Value(k, i)
+                reg[id(t)] = (v, weakref.ref(t))
+                outs.append(v)
+                if not view:
+                    p = _ptr(t)
+                    if p and not _written_positions(node.func):
+                        self.region_ptrs.add(p)
+                        self.last_write.pop(p, None)
+            else:
+                outs.append(None)
+                if t is not None:
+                    node.always = True  # a number or a flag read by Python
+        if _DYNAMIC and any(tag in node.func.tags for tag in _DYNAMIC):
+            node.always = True
+        if _written_positions(node.func):
+            ids = {id(t): i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
+            for n, t in enumerate(written_tensors(node.func, args, kwargs)):
+                i = ids.get(id(t))
+                v = outs[i] if i is not None else Value(k, -1 - n)
+                if i is None:
+                    reg[id(t)] = (v, weakref.ref(t))
+                node.writes.append((n, v))
+                p = _ptr(t)
+                if p:
+                    self.last_write[p] = v
+
+    # -- plan ----------------------------------------------------------------
+    def plan(self, roots, kept) -> tuple[list[int], set, set]:
+        """Walk back from ``roots`` (the Values backward needs).
+
+        ``kept(value)`` tells whether the policy keeps a value.  Returns the nodes to
+        replay (in order), the kept Values they or backward read, and the outside
+        Values they read.
+        """
+        nodes = self.nodes
+        todo = list(roots)
+        seen: set[int] = set()
+        run: set[int] = set()
+        used_kept: set = set()
+        used_outside: set = set()
+        if self.func_path:
+            for k, n in enumerate(nodes):
+                if n.always:
+                    todo.extend(n.reads)
+                    run.add(k)
+        while todo:
+            v = todo.pop()
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            if v.node < 0:
+                used_outside.add(v)
+                continue
+            if kept(v):
+                used_kept.add(v)
+                continue
+            if v.node in run:
+                continue
+            run.add(v.node)
+            todo.extend(nodes[v.node].reads)
+        return sorted(run), used_kept, used_outside
+
+    def release(self, used_outside) -> None:
+        """After planning: hold only what the replay reads."""
+        self.reg = None
+        self.outside = {}
+        self.last_write = {}
+        self.region_ptrs = set()
+        used = {id(v) for v in used_outside}
+        for v in self.stale:
+            if id(v) not in used:
+                v.snap = None
+        self.stale = []
+
+    def keep_only(self, run, used_kept) -> None:
+        """Forget the nodes the replay neither runs nor reads a kept output of (and the
+        outside tensors only they read)."""
+        keep = set(run)
+        keep.update(v.node for v in used_kept)
+        nodes = self.nodes
+        for k in range(len(nodes)):
+            if k not in keep:
+                nodes[k] = None
+
+    def restore_rng(self) -> None:
+        """Put every generator the forward drew from back where it was before the first draw."""
+        done = set()
+        for n in self.nodes:
+            if n is not None and n.rng is not None and id(n.rng[0]) not in done:
+                done.add(id(n.rng[0]))
+                n.rng[0].set_state(n.rng[1])
+
+    # -- backward ------------------------------------------------------------
+    def outside_value(self, v: Value, name: str, env: dict) -> torch.Tensor:
+        t = env.get(id(v))
+        if t is not None:
+            return t
+        if v.snap is not None:
+            t = v.snap.clone()  # the replay may write into it; a second backward replays again
+        elif v.store is not None:
+            packed, unpack = v.store
+            t = unpack(packed)
+        else:
+            t = v.t
+            if version_of(t) != v.version:
+                raise MutatedSavedTensorError(
+                    f"The tensor {describe_meta(t.shape, t.dtype, t.device)} that remat({name}) reads "
+                    f"to recompute its saved values (an argument, a parameter, a buffer or a tensor it "
+                    f"closes over) was modified in place after the forward (version {v.version} -> "
+                    f"{version_of(t)}). Fix: clone it before modifying it (x = x.clone()), or apply "
+                    "the in-place update (e.g. optimizer.step()) after the backward pass."
+                )
+        env[id(v)] = t
+        return t
+
+    def replay(self, run, want, kept_value, name: str) -> dict:
+        """Run the nodes ``run`` (indices, in order) and return ``{id(value): tensor}`` for
+        the Values in ``want``.  ``kept_value(value)`` gives a kept value's tensor."""
+        env: dict[int, torch.Tensor] = {}
+        nodes = self.nodes
+
+        def get(v):
+            t = env.get(id(v))
+            if t is not None:
+                return t
+            if v.node < 0:
+                return self.outside_value(v, name, env)
+            t = kept_value(v)
+            env[id(v)] = t
+            return t
+
+        with torch.no_grad(), _no_autocast():
+            for k in run:
+                node = nodes[k]
+                flat = [get(x) if type(x) is Value else x for x in node.flat]
+                args, kwargs = optree.tree_unflatten(node.spec, flat)
+                out = _run(node, args, kwargs)
+                leaves = out if type(out) in (tuple, list) else (out,)
+                for v, t in zip(node.outs, leaves):
+                    if v is not None:
+                        env[id(v)] = t
+                if node.writes:
+                    written = written_tensors(node.func, args, kwargs)
+                    for n, v in node.writes:
+                        env[id(v)] = written[n]
+            return {id(v): get(v) for v in want}
+
+
+def _run(node: Node, args, kwargs):
+    rng = node.rng
+    if rng is None:
+        return node.func(*args, **kwargs)
+    g, state = rng
+    before = g.get_state()
+    g.set_state(state)
+    try:
+        return node.func(*args, **kwargs)
+    finally:
+        g.set_state(before)
+
+
+def run_recorded(node: Node, args, kwargs):
+    """Run ``node``'s op on ``args`` drawing the forward's random numbers (the torch.func
+    recomputation, which re-runs the function)."""
+    return _run(node, args, kwargs)
