@@ -102,7 +102,7 @@ class _Frame:
         "fun", "args", "kwargs", "name", "rng", "meta", "handles", "recomputed",
         "debug", "fwd_trace", "reach", "stash", "rec", "autocast", "in_forward", "strict",
         "input_ids", "outer", "nhandles", "saved_ptrs", "inner_backward", "prof", "prof_saved",
-        "offload_ids", "tape", "values", "run", "kept",
+        "offload_ids", "tape", "values", "run", "kept", "deps",
     )
 
     def __init__(self, fun, args, kwargs, name, debug):
@@ -144,6 +144,7 @@ class _Frame:
         self.values: dict[int, Any] = {}  # handle index -> the tape Value it stands for
         self.run: list[int] | None = None  # the nodes the forward's plan replays
         self.kept: set[int] = set()  # ids of the kept Values the plan reads
+        self.deps: list = []  # writes (through views) into saved tensors after they were made
 
     def stash_inputs(self, hooks) -> None:
         pack, unpack = hooks
@@ -200,6 +201,9 @@ class _Frame:
                     self.handles.append(_DEAD)
                     return _Direct(t)
                 v = tape.lookup(t)  # an input stored through hooks (see _finish_tape)
+            w = tape.write_before(t)
+            if w is not None and w is not v:
+                self.deps.append(w)
             h = _Handle(len(self.meta) - 1)
             self.values[h.idx] = v
             self.handles.append(weakref.ref(h))
@@ -248,14 +252,14 @@ class _Frame:
         tape, rec, values = self.tape, self.rec, self.values
         if target is not None:  # inside the forward: nothing is final yet, recompute from outside
             live = [target]
-            run, _, _ = tape.plan([values[target]], lambda v: False)
+            run, _, _ = tape.plan([values[target], *self.deps], lambda v: False)
         else:
             live = [i for i, w in enumerate(self.handles) if w() is not None and i in values]
             if len(live) == len(values):
                 run = self.run
             else:
                 kept = self.kept
-                run, _, _ = tape.plan([values[i] for i in live], lambda v: id(v) in kept)
+                run, _, _ = tape.plan([*(values[i] for i in live), *self.deps], lambda v: id(v) in kept)
         nodes = tape.nodes
 
         def kept_value(v):
@@ -524,7 +528,7 @@ def _finish_tape(frame: _Frame, tensors, out, outer) -> None:
     else:
         def kept(v):
             return False
-    roots = list(frame.values.values())
+    roots = [*frame.values.values(), *frame.deps]
     run, used_kept, used_outside = tape.plan(roots, kept)
     frame.run = run
     frame.kept = {id(v) for v in used_kept}

@@ -181,9 +181,13 @@ class _RematFunction(torch.autograd.Function):
 
             def note(t):  # a tensor autograd saves: backward needs its value
                 _note_storage(noted, t)
-                v = tape.value_of(unwrap_all(t))
+                b = unwrap_all(t)
+                v = tape.value_of(b)
                 if v is not None:
                     roots.append(v)
+                w = tape.write_before(b)
+                if w is not None:
+                    roots.append(w)
 
             def f(*diff):
                 known.update(id(t) for t in diff)

@@ -28,7 +28,7 @@ from ._functorch import forward_mode_active, storage_ptr
 from ._functorch import unwrap_all as _base
 from ._offload import Offloader, Stored, hint, meta_args, tag_name
 from ._residuals import residual_sink
-from ._tape import Value, run_recorded, written_tensors
+from ._tape import Value, arg_shapes, run_recorded, written_tensors
 from ._torch_internals import DisableTorchFunction, TorchDispatchMode, schema
 from ._torch_internals import version as version_of
 from .policies import NAMED, Offload, PolicyContext, decide
@@ -533,9 +533,16 @@ class SaveMode(TorchDispatchMode):
         if plan is None:
             return rec.replay(func, key, args, kwargs)
         node = self.tape.nodes[rec.seq_nodes[pos]]
+        if node.shapes != arg_shapes(args, kwargs):  # (batched differently under vmap, say)
+            self.diverged = True
+            if self.dummies:
+                raise _Diverged()
+            return func(*args, **kwargs)
         if rec.entries.get(key) is not None and not node.writes:
             return rec.replay(func, key, args, kwargs)
-        if rec.seq_nodes[pos] in plan or func.is_view:
+        if rec.seq_nodes[pos] in plan or func.is_view or _local.stack[-1] is not self:
+            # (the last: an op of a nested region's forward, which keeps what it
+            # computes: never a placeholder)
             if node.writes:  # writes into tensors from outside go to copies of what the forward read
                 args, kwargs = _redirect_writes(node, args, kwargs)
             return run_recorded(node, args, kwargs)

@@ -69,7 +69,7 @@ class Value:
 class Node:
     """One recorded op."""
 
-    __slots__ = ("func", "flat", "spec", "reads", "outs", "writes", "rng", "key", "meta", "always")
+    __slots__ = ("func", "flat", "spec", "reads", "outs", "writes", "rng", "key", "meta", "always", "shapes")
 
     def __init__(self, func, flat, spec, reads, rng, key):
         self.func = func
@@ -82,6 +82,7 @@ class Node:
         self.key = key  # the policy's key of the op: (op, n-th call), None for detach
         self.meta: list | None = None  # output (size, stride, dtype, device), on the torch.func path
         self.always = False  # its result steers Python (a scalar, a data-dependent shape)
+        self.shapes: tuple | None = None  # argument shapes, on the torch.func path
 
 
 _WRITES: dict[Any, tuple] = {}
@@ -117,6 +118,11 @@ def written_tensors(func, args, kwargs) -> list:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def arg_shapes(args, kwargs) -> tuple:
+    return tuple(t.shape for t in optree.tree_leaves((args, kwargs), none_is_leaf=True)
+                 if isinstance(t, torch.Tensor))
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -202,6 +208,11 @@ class Tape:
             return v
         return None
 
+    def write_before(self, t: torch.Tensor) -> Value | None:
+        """The last write into ``t``'s storage (through a view, say), which a saved ``t``
+        depends on too."""
+        return self.last_write.get(_ptr(t)) if self.last_write else None
+
     def before(self, func, key, args, kwargs) -> Node:
         flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
         reads = []
@@ -221,6 +232,8 @@ class Tape:
             if g is not None:
                 rng = (g, g.get_state())
         node = Node(func, flat, spec, reads, rng, key)
+        if self.func_path:
+            node.shapes = arg_shapes(args, kwargs)
         if _written_positions(func):
             for t in written_tensors(func, args, kwargs):
                 p = _ptr(t)
