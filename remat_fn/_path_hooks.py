@@ -466,9 +466,8 @@ def run_with_hooks(call: RegionCall) -> Any:
     if frame.rec is not None:
         frame.rec.hint_outputs(optree.tree_leaves(out))
     if frame.nhandles and frame.tape is not None:
-        for x, v in in_versions:
-            if version_of(x) != v:
-                raise mutated_input(name, x)
+        # (an input the region wrote in place needs no refusal: the replay reads the
+        # copy taken before the write and writes into copies)
         _finish_tape(frame, tensors, out, outer)
     elif frame.nhandles:
         for x, v in in_versions:

@@ -540,7 +540,8 @@ class SaveMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if rec.entries.get(key) is not None and not node.writes:
             return rec.replay(func, key, args, kwargs)
-        if rec.seq_nodes[pos] in plan or func.is_view or _local.stack[-1] is not self:
+        if (rec.seq_nodes[pos] in plan or func.is_view or func.overloadpacket in _METADATA_ONLY
+                or _local.stack[-1] is not self):
             # (the last: an op of a nested region's forward, which keeps what it
             # computes: never a placeholder)
             if node.writes:  # writes into tensors from outside go to copies of what the forward read

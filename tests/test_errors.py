@@ -24,9 +24,21 @@ def _flaky(counter):
     return f
 
 
+def _rerun(f):
+    """``f`` checkpointed so that eager backward really re-runs it (and checks the re-run)."""
+    return lambda *a: remat_fn.compat.checkpoint(f, *a, use_reentrant=False, early_stop=False)
+
+
 def test_recompute_shape_mismatch_eager_names_fix():
+    # changed (issue 19): the default eager backward replays the recorded ops and does
+    # not re-run the function, so it gets the forward's gradient and raises nothing
     x = torch.randn(5, requires_grad=True)
-    y = remat(_flaky([0]))(x)
+    remat(_flaky([0]))(x).backward()
+    xp = x.detach().clone().requires_grad_()
+    _flaky([0])(xp).backward()
+    torch.testing.assert_close(x.grad, xp.grad)
+    # a re-run (compat early_stop=False) is checked, and the error names the fix
+    y = _rerun(_flaky([0]))(x)
     with pytest.raises(RecomputeMismatchError, match="debug=True"):
         y.backward()
 
@@ -51,8 +63,13 @@ def test_recompute_count_mismatch_eager():
             y = y.exp()  # an extra saved tensor only in the forward
         return y.sum()
 
+    # changed (issue 19): the default eager backward does not re-run f: forward's gradient
     x = torch.randn(4, requires_grad=True)
-    y = remat(f)(x)
+    remat(f)(x).backward()
+    torch.testing.assert_close(x.grad, (x.sin().exp() * x.cos()).detach())
+    # a re-run (compat early_stop=False) is checked against the forward
+    state["n"] = 0
+    y = _rerun(f)(x)
     with pytest.raises(RecomputeMismatchError, match="saved"):
         y.backward()
 
@@ -122,7 +139,9 @@ def test_failing_function_leaves_no_state_behind():
 
 def test_error_in_backward_leaves_no_hooks():
     x = torch.randn(5, requires_grad=True)
-    y = remat(_flaky([0]))(x)
+    # changed (issue 19): only a re-run of the function (here compat early_stop=False)
+    # can fail in backward; the default eager backward replays the recorded ops
+    y = _rerun(_flaky([0]))(x)
     with pytest.raises(RecomputeMismatchError):
         y.backward()
     # a later plain checkpoint still works (hooks are usable)
@@ -136,8 +155,16 @@ def test_region_mutating_its_input_is_refused():
         return (x * w).sin().sum()
 
     w = torch.randn(3, requires_grad=True)
+    # changed (issue 19): eager replays from the copy taken before the write (exact);
+    # the torch.func path, which re-runs the function, still refuses
+    x = torch.randn(3)
+    x1, x2 = x.clone(), x.clone()
+    (g,) = torch.autograd.grad(remat(f)(x1, w), w)
+    (ref,) = torch.autograd.grad(f(x2, w), w)
+    torch.testing.assert_close(g, ref)
+    torch.testing.assert_close(x1, x2)
     with pytest.raises(RematError, match="clone"):
-        remat(f)(torch.randn(3), w)
+        torch.func.grad(lambda w: remat(f)(torch.randn(3), w))(w.detach())
 
 
 def test_decorator_called_without_a_function_names_the_fix():
