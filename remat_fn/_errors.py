@@ -43,3 +43,13 @@ def mutated_input(name: str, t: torch.Tensor) -> RematError:
         "backward would apply the change twice. Fix: work on a copy inside the function "
         "(x = x.clone()) or move the in-place update out of the rematerialised region."
     )
+
+
+def mutated_outside(name: str, t: torch.Tensor, old: int, new: int) -> MutatedSavedTensorError:
+    """The error for an outside tensor the recomputation reads that changed in place since the forward."""
+    return MutatedSavedTensorError(
+        f"The tensor {describe(t)} that remat({name}) reads to recompute its saved values (an "
+        "argument, a parameter, a buffer or a tensor it closes over) was modified in place after "
+        f"the forward (version {old} -> {new}). Fix: clone it before modifying it (x = x.clone()), "
+        "or apply the in-place update (e.g. optimizer.step()) after the backward pass."
+    )

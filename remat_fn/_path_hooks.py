@@ -520,15 +520,8 @@ def _finish_tape(frame: _Frame, tensors, out, outer) -> None:
     let go of everything else."""
     tape, rec = frame.tape, frame.rec
     nodes = tape.nodes
-    if rec is not None:
-        def kept(v):
-            key = nodes[v.node].key
-            return key is not None and rec.has(key, v.idx)
-    else:
-        def kept(v):
-            return False
     roots = [*frame.values.values(), *frame.deps]
-    run, used_kept, used_outside = tape.plan(roots, kept)
+    run, used_kept, used_outside = tape.plan(roots, tape.kept_by(rec))
     frame.run = run
     frame.kept = {id(v) for v in used_kept}
     offl = frame.offload_ids = unaliased(frame.offload_ids, tensors, out)

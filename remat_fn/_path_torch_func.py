@@ -37,7 +37,7 @@ from ._captures import CaptureMode, MissedCapture, note_region_inputs, note_regi
 from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
 from ._describe import describe, describe_meta
-from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
+from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_outside
 from ._func_semantics import NeedsGraph, check_lazy_outputs, check_unsure, connect_side_outputs, hooks_aside, keep_nothing, random_in_vmap
 from ._functorch import carries_grad, grad_wrappers, is_grad_kind, is_wrapped, live_levels, needs_grad, storage_ptr, unwrap_all, unwrap_if_dead
 from ._offload import FuncInputs, hint, input_offloads
@@ -384,12 +384,7 @@ def _plan(spec: _RegionState, roots) -> None:
     recomputation of what it needs reads; compute only those ops (see Tape.plan)."""
     tape, rec = spec.tape, spec.rec
     nodes = tape.nodes
-
-    def kept(v):
-        key = nodes[v.node].key
-        return key is not None and rec.has(key, v.idx)
-
-    run, used_kept, used_outside = tape.plan(roots, kept)
+    run, used_kept, used_outside = tape.plan(roots, tape.kept_by(rec))
     rec.retain({(nodes[v.node].key, v.idx) for v in used_kept})
     tape.release(used_outside)
     # The recomputation re-runs the function, which reads the live tensors: the ones
@@ -463,13 +458,7 @@ def _saved(ctx, spec: _RegionState):
     spec.reach.check_versions(spec.name)
     for t, v in spec.outside:
         if version_of(t) != v:
-            raise MutatedSavedTensorError(
-                f"The tensor {describe(t)} that remat({spec.name}) reads to recompute its saved "
-                "values (an argument, a parameter, a buffer or a tensor it closes over) was modified "
-                f"in place after the forward (version {v} -> {version_of(t)}). Fix: clone it before "
-                "modifying it (x = x.clone()), or apply the in-place update (e.g. optimizer.step()) "
-                "after the backward pass."
-            )
+            raise mutated_outside(spec.name, t, v, version_of(t))
     try:
         # A vjp_fn called after its level exited hands us dead wrappers; a new
         # level created inside this backward may reuse their level number.

@@ -35,8 +35,7 @@ from typing import Any
 import optree
 import torch
 
-from ._describe import describe_meta
-from ._errors import MutatedSavedTensorError
+from ._errors import mutated_outside
 from ._torch_internals import schema
 from ._torch_internals import version as version_of
 
@@ -289,6 +288,13 @@ class Tape:
                     self.last_write[p] = v
 
     # -- plan ----------------------------------------------------------------
+    def kept_by(self, rec):
+        """The plan's ``kept`` predicate for the policy record ``rec`` (None: nothing kept)."""
+        nodes = self.nodes
+        if rec is None:
+            return lambda v: False
+        return lambda v: nodes[v.node].key is not None and rec.has(nodes[v.node].key, v.idx)
+
     def plan(self, roots, kept) -> tuple[list[int], set, set]:
         """Walk back from ``roots`` (the Values backward needs).
 
@@ -367,13 +373,7 @@ class Tape:
         else:
             t = v.t
             if version_of(t) != v.version:
-                raise MutatedSavedTensorError(
-                    f"The tensor {describe_meta(t.shape, t.dtype, t.device)} that remat({name}) reads "
-                    f"to recompute its saved values (an argument, a parameter, a buffer or a tensor it "
-                    f"closes over) was modified in place after the forward (version {v.version} -> "
-                    f"{version_of(t)}). Fix: clone it before modifying it (x = x.clone()), or apply "
-                    "the in-place update (e.g. optimizer.step()) after the backward pass."
-                )
+                raise mutated_outside(name, t, v.version, version_of(t))
         env[id(v)] = t
         return t
 
