@@ -183,7 +183,7 @@ class _Frame:
                 rec.policy.note_saved(ptr, nbytes)
             if ptr in rec.pending:  # a value its policy offloads: copy it now
                 rec.commit(ptr)
-            if self.outer is None and ptr in rec.kept_ptrs:
+            if self.outer is None and self.tape is None and ptr in rec.kept_ptrs:
                 # the policy keeps it anyway: autograd holds it as is, so backward
                 # needs no recomputation for it (and keeps no extra copy).  Without
                 # its history: an op's output held by its own node through a hook
@@ -191,6 +191,8 @@ class _Frame:
                 # outlives a graph dropped without backward until gc runs.
                 self.handles.append(_DEAD)
                 return _Direct(t.detach() if t.grad_fn is not None else t)
+        # On the tape path a kept value is a handle too: a later checkpoint_name may
+        # still decide to recompute it, and the plan (after the forward) decides.
         tape = self.tape
         if tape is not None:
             v = tape.value_of(t)

@@ -240,7 +240,7 @@ class _RematFunction(torch.autograd.Function):
                 rec.prune(keep_ptrs, set(saved))  # an offloaded output: recomputed, not copied
                 spec.tape = None
             else:
-                _plan(spec, roots)
+                _plan(spec, roots, tensors)
             if isinstance(rec.policy, Measuring):  # memory_budget's first call
                 rec.policy.finish(saved)
         else:
@@ -379,7 +379,7 @@ def _saved_storages(outs) -> dict[int, int]:
     return found
 
 
-def _plan(spec: _RegionState, roots) -> None:
+def _plan(spec: _RegionState, roots, inputs) -> None:
     """JAX's rule on the recorded forward: keep the saveable values backward or the
     recomputation of what it needs reads; compute only those ops (see Tape.plan)."""
     tape, rec = spec.tape, spec.rec
@@ -388,8 +388,11 @@ def _plan(spec: _RegionState, roots) -> None:
     rec.retain({(nodes[v.node].key, v.idx) for v in used_kept})
     tape.release(used_outside)
     # The recomputation re-runs the function, which reads the live tensors: the ones
-    # the needed ops read must still be what the forward read.
-    spec.outside = [(v.t, v.version) for v in used_outside if v.snap is None and v.t is not None]
+    # the needed ops read must still be what the forward read.  The region's inputs
+    # are saved by the Function (version-checked there, or offloaded): not held here.
+    mine = {p for t in inputs if (p := storage_ptr(t))}
+    spec.outside = [(v.t, v.version) for v in used_outside
+                    if v.snap is None and v.t is not None and v.ptr not in mine]
     for n in nodes:
         for v in n.reads:
             if v.node < 0 and v.snap is None:

@@ -345,11 +345,15 @@ class Tape:
     def keep_only(self, run, used_kept) -> None:
         """Forget the nodes the replay neither runs nor reads a kept output of (and the
         outside tensors only they read)."""
-        keep = set(run)
-        keep.update(v.node for v in used_kept)
+        run = set(run)
+        kept = {v.node for v in used_kept}
         nodes = self.nodes
-        for k in range(len(nodes)):
-            if k not in keep:
+        for k, n in enumerate(nodes):
+            if k in run:
+                continue
+            if k in kept:  # looked up by its key only: let go of its arguments
+                n.flat = n.reads = ()
+            else:
                 nodes[k] = None
 
     def restore_rng(self) -> None:
