@@ -124,7 +124,7 @@ class _Frame:
         # can then drop and recompute them, save_on_cpu moves them, and so on.
         self.stash = None
         self.rec = None  # remat_fn._record.Record when a policy is in force
-        self.autocast = AutocastState()  # re-entered by the recomputation
+        self.autocast = None  # AutocastState re-entered by a re-run (not on the tape path)
         # True while the forward runs: a backward *inside* the region (the
         # function calls torch.autograd.grad) unpacks handles of a forward
         # that has not finished; those are recomputed one at a time.
@@ -168,7 +168,8 @@ class _Frame:
 
     # -- forward -------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
-        self.meta.append((t.shape, t.dtype, t.device, version_of(t)))
+        if self.tape is None:  # (checked by a re-run; the replay runs the recorded ops)
+            self.meta.append((t.shape, t.dtype, t.device, version_of(t)))
         packed = self._pack(t)
         if self.prof_saved is not None:
             self.prof_saved.append((t, type(packed) is _Direct))
@@ -206,7 +207,7 @@ class _Frame:
             w = tape.write_before(t)
             if w is not None and w is not v:
                 self.deps.append(w)
-            h = _Handle(len(self.meta) - 1)
+            h = _Handle(len(self.handles))
             self.values[h.idx] = v
             self.handles.append(weakref.ref(h))
             self.nhandles += 1
@@ -219,7 +220,7 @@ class _Frame:
             # through them and come back with the recomputation, as before.)
             self.handles.append(_DEAD)
             return _Direct(t)
-        h = _Handle(len(self.meta) - 1)
+        h = _Handle(len(self.handles))
         self.handles.append(weakref.ref(h))
         self.nhandles += 1
         return h
@@ -434,6 +435,7 @@ def run_with_hooks(call: RegionCall) -> Any:
         snap = None
     else:
         snap = RNGSnapshot(call.rng_devices(tensors)) if preserve_rng_state else None
+        frame.autocast = AutocastState()
     frame.rng = snap  # provisional: a backward inside the forward may recompute
     policy = call.policy("eager", tensors)
     if type(policy) is Measuring:  # memory_budget's first call: activation inputs count

@@ -476,6 +476,13 @@ class SaveMode(TorchDispatchMode):
     def _dispatch(self, func, args, kwargs):
         rec = self.rec
         tape = self.tape
+        if rec is None and not self.recompute:  # (no policy: the tape only, no op keys needed)
+            if tape.paused:
+                return func(*args, **kwargs)
+            node = tape.before(func, None, args, kwargs)
+            out = func(*args, **kwargs)
+            tape.after(node, out, args, kwargs)
+            return out
         if self.recompute:
             if func is _DETACH or rec is None:
                 return func(*args, **kwargs)

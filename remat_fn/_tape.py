@@ -106,6 +106,20 @@ def _written_positions(func) -> tuple:
     return w
 
 
+_SEQ = (tuple, list)
+_INFO: dict[Any, tuple] = {}
+
+
+def _info(func) -> tuple:
+    """(written positions, draws random numbers, is a view, output shape depends on data)"""
+    i = _INFO.get(func)
+    if i is None:
+        tags = func.tags
+        i = _INFO[func] = (_written_positions(func), _SEEDED in tags, func.is_view,
+                           any(t in tags for t in _DYNAMIC))
+    return i
+
+
 def written_tensors(func, args, kwargs) -> list:
     out = []
     for i, name in _written_positions(func):
@@ -152,17 +166,15 @@ def _generator(func, args, kwargs):
     return None  # pragma: no cover - other devices: no per-op state (the region snapshot covers them)
 
 
-@contextlib.contextmanager
 def _no_autocast():
     """The recorded ops are the ones autocast already chose: replay them as they are."""
     on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
     if not on:
-        yield
-        return
-    with contextlib.ExitStack() as st:
-        for d in on:
-            st.enter_context(torch.autocast(d, enabled=False))
-        yield
+        return contextlib.nullcontext()
+    st = contextlib.ExitStack()
+    for d in on:
+        st.enter_context(torch.autocast(d, enabled=False))
+    return st
 
 
 class Tape:
@@ -213,12 +225,17 @@ class Tape:
         return self.last_write.get(_ptr(t)) if self.last_write else None
 
     def before(self, func, key, args, kwargs) -> Node:
-        flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+        info = _info(func)
+        if kwargs or any(type(a) in _SEQ for a in args):
+            flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+        else:  # (most ops: positional tensors and numbers, replayed as they are)
+            flat, spec = list(args), None
         reads = []
         last = self.last_write
+        lookup = self.lookup
         for j, x in enumerate(flat):
             if isinstance(x, torch.Tensor):
-                v = self.lookup(x)
+                v = lookup(x)
                 flat[j] = v
                 reads.append(v)
                 if last:
@@ -226,14 +243,14 @@ class Tape:
                     if w is not None:
                         reads.append(w)
         rng = None
-        if _SEEDED in func.tags:
+        if info[1]:
             g = _generator(func, args, kwargs)
             if g is not None:
                 rng = (g, g.get_state())
         node = Node(func, flat, spec, reads, rng, key)
         if self.func_path:
             node.shapes = arg_shapes(args, kwargs)
-        if _written_positions(func):
+        if info[0]:
             for t in written_tensors(func, args, kwargs):
                 p = _ptr(t)
                 if p and p not in self.region_ptrs:
@@ -252,8 +269,8 @@ class Tape:
         k = len(self.nodes)
         self.nodes.append(node)
         reg = self.reg
-        leaves = out if type(out) in (tuple, list) else (out,)
-        view = node.func.is_view
+        leaves = out if type(out) in _SEQ else (out,)
+        writes, _, view, dynamic = _info(node.func)
         if self.func_path:
             node.meta = (type(out) if type(out) in (tuple, list) else None,
                          [(t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else None
@@ -264,18 +281,19 @@ class Tape:
                 v = Value(k, i)
                 reg[id(t)] = (v, weakref.ref(t))
                 outs.append(v)
-                if not view:
+                if not view and not writes:
                     p = _ptr(t)
-                    if p and not _written_positions(node.func):
+                    if p:
                         self.region_ptrs.add(p)
-                        self.last_write.pop(p, None)
+                        if self.last_write:
+                            self.last_write.pop(p, None)
             else:
                 outs.append(None)
                 if t is not None:
                     node.always = True  # a number or a flag read by Python
-        if _DYNAMIC and any(tag in node.func.tags for tag in _DYNAMIC):
+        if dynamic:
             node.always = True
-        if _written_positions(node.func):
+        if writes:
             ids = {id(t): i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
             for n, t in enumerate(written_tensors(node.func, args, kwargs)):
                 i = ids.get(id(t))
@@ -385,7 +403,6 @@ class Tape:
         """Run the nodes ``run`` (indices, in order) and return ``{id(value): tensor}`` for
         the Values in ``want``.  ``kept_value(value)`` gives a kept value's tensor."""
         env: dict[int, torch.Tensor] = {}
-        nodes = self.nodes
 
         def get(v):
             t = env.get(id(v))
@@ -397,21 +414,37 @@ class Tape:
             env[id(v)] = t
             return t
 
-        with torch.no_grad(), _no_autocast():
-            for k in run:
-                node = nodes[k]
-                flat = [get(x) if type(x) is Value else x for x in node.flat]
+        grad = torch.is_grad_enabled()
+        if grad:
+            torch._C._set_grad_enabled(False)
+        try:
+            with _no_autocast():
+                return self._run_nodes(run, want, get, env)
+        finally:
+            if grad:
+                torch._C._set_grad_enabled(True)
+
+    def _run_nodes(self, run, want, get, env) -> dict:
+        nodes = self.nodes
+        for k in run:
+            node = nodes[k]
+            flat = [get(x) if type(x) is Value else x for x in node.flat]
+            if node.spec is None:
+                args, kwargs = flat, {}
+            else:
                 args, kwargs = optree.tree_unflatten(node.spec, flat)
-                out = _run(node, args, kwargs)
-                leaves = out if type(out) in (tuple, list) else (out,)
-                for v, t in zip(node.outs, leaves):
+            out = node.func(*args, **kwargs) if node.rng is None else _run(node, args, kwargs)
+            if type(out) in _SEQ:
+                for v, t in zip(node.outs, out):
                     if v is not None:
                         env[id(v)] = t
-                if node.writes:
-                    written = written_tensors(node.func, args, kwargs)
-                    for n, v in node.writes:
-                        env[id(v)] = written[n]
-            return {id(v): get(v) for v in want}
+            elif node.outs[0] is not None:
+                env[id(node.outs[0])] = out
+            if node.writes:
+                written = written_tensors(node.func, args, kwargs)
+                for n, v in node.writes:
+                    env[id(v)] = written[n]
+        return {id(v): get(v) for v in want}
 
 
 def _run(node: Node, args, kwargs):
