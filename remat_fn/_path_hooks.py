@@ -523,9 +523,8 @@ def _finish_tape(frame: _Frame, tensors, out, outer) -> None:
     saveable values that backward or the replay reads, recompute the rest) and
     let go of everything else."""
     tape, rec = frame.tape, frame.rec
-    nodes = tape.nodes
     roots = [*frame.values.values(), *frame.deps]
-    run, used_kept, used_outside = tape.plan(roots, tape.kept_by(rec))
+    run, used_kept, used_outside = tape.plan_kept(roots, rec)
     frame.run = run
     frame.kept = {id(v) for v in used_kept}
     offl = frame.offload_ids = unaliased(frame.offload_ids, tensors, out)
@@ -547,7 +546,6 @@ def _finish_tape(frame: _Frame, tensors, out, outer) -> None:
                     v.t = None
     if rec is not None:
         rec.producer = {}
-        rec.retain({(nodes[v.node].key, v.idx) for v in used_kept})
         if isinstance(rec.policy, Measuring):  # memory_budget's first call
             rec.policy.finish()
         sink = residual_sink()

@@ -384,8 +384,7 @@ def _plan(spec: _RegionState, roots, inputs) -> None:
     recomputation of what it needs reads; compute only those ops (see Tape.plan)."""
     tape, rec = spec.tape, spec.rec
     nodes = tape.nodes
-    run, used_kept, used_outside = tape.plan(roots, tape.kept_by(rec))
-    rec.retain({(nodes[v.node].key, v.idx) for v in used_kept})
+    run, used_kept, used_outside = tape.plan_kept(roots, rec)
     tape.release(used_outside)
     # The recomputation re-runs the function, which reads the live tensors: the ones
     # the needed ops read must still be what the forward read.  The region's inputs

@@ -28,7 +28,7 @@ from ._functorch import forward_mode_active, storage_ptr
 from ._functorch import unwrap_all as _base
 from ._offload import Offloader, Stored, hint, meta_args, tag_name
 from ._residuals import residual_sink
-from ._tape import Value, arg_shapes, run_recorded, written_tensors
+from ._tape import arg_shapes, placeholder, redirect_writes, run_recorded
 from ._torch_internals import DisableTorchFunction, TorchDispatchMode, schema
 from ._torch_internals import version as version_of
 from .policies import NAMED, Offload, PolicyContext, decide
@@ -552,35 +552,10 @@ class SaveMode(TorchDispatchMode):
             # (the last: an op of a nested region's forward, which keeps what it
             # computes: never a placeholder)
             if node.writes:  # writes into tensors from outside go to copies of what the forward read
-                args, kwargs = _redirect_writes(node, args, kwargs)
+                args, kwargs = redirect_writes(node, args, kwargs)
             return run_recorded(node, args, kwargs)
         self.dummies = True
-        return _placeholder(node, args, kwargs)
-
-
-def _redirect_writes(node, args, kwargs):
-    flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
-    for j, v in enumerate(node.flat):
-        if type(v) is Value and v.node < 0 and v.snap is not None:
-            flat[j] = v.snap.clone()
-    return optree.tree_unflatten(spec, flat)
-
-
-def _placeholder(node, args, kwargs):
-    """What a skipped op returns: its written arguments as they are (no write), new
-    tensors of the recorded sizes and strides otherwise (never read: see Tape.plan)."""
-    multi, metas = node.meta
-    written = {n: t for (n, _), t in zip(node.writes, written_tensors(node.func, args, kwargs))} if node.writes else {}
-    alias = {}
-    if written:
-        for i, v in enumerate(node.outs):
-            for n, w in node.writes:
-                if w is v:
-                    alias[i] = written[n]
-    leaves = [alias[i] if i in alias else
-              torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3])
-              for i, m in enumerate(metas)]
-    return multi(leaves) if multi is not None else leaves[0]
+        return placeholder(node, args, kwargs)
 
 
 @contextlib.contextmanager

@@ -313,6 +313,16 @@ class Tape:
             return lambda v: False
         return lambda v: nodes[v.node].key is not None and rec.has(nodes[v.node].key, v.idx)
 
+    def plan_kept(self, roots, rec) -> tuple[list[int], set, set]:
+        """:meth:`plan` with what the policy record ``rec`` keeps; lets go of every kept
+        value the plan does not read (``rec.retain``: no dead copies).  Returns what
+        :meth:`plan` returns."""
+        run, used_kept, used_outside = self.plan(roots, self.kept_by(rec))
+        if rec is not None:
+            nodes = self.nodes
+            rec.retain({(nodes[v.node].key, v.idx) for v in used_kept})
+        return run, used_kept, used_outside
+
     def plan(self, roots, kept) -> tuple[list[int], set, set]:
         """Walk back from ``roots`` (the Values backward needs).
 
@@ -416,13 +426,13 @@ class Tape:
 
         grad = torch.is_grad_enabled()
         if grad:
-            torch._C._set_grad_enabled(False)
+            torch.set_grad_enabled(False)
         try:
             with _no_autocast():
                 return self._run_nodes(run, want, get, env)
         finally:
             if grad:
-                torch._C._set_grad_enabled(True)
+                torch.set_grad_enabled(True)
 
     def _run_nodes(self, run, want, get, env) -> dict:
         nodes = self.nodes
@@ -464,3 +474,30 @@ def run_recorded(node: Node, args, kwargs):
     """Run ``node``'s op on ``args`` drawing the forward's random numbers (the torch.func
     recomputation, which re-runs the function)."""
     return _run(node, args, kwargs)
+
+
+def redirect_writes(node, args, kwargs):
+    """``node``'s arguments with the outside tensors it writes replaced by copies of
+    what the forward read (the torch.func re-run never writes a tensor it does not own)."""
+    flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+    for j, v in enumerate(node.flat):
+        if type(v) is Value and v.node < 0 and v.snap is not None:
+            flat[j] = v.snap.clone()
+    return optree.tree_unflatten(spec, flat)
+
+
+def placeholder(node, args, kwargs):
+    """What a skipped op returns: its written arguments as they are (no write), new
+    tensors of the recorded sizes and strides otherwise (never read: see Tape.plan)."""
+    multi, metas = node.meta
+    written = {n: t for (n, _), t in zip(node.writes, written_tensors(node.func, args, kwargs))} if node.writes else {}
+    alias = {}
+    if written:
+        for i, v in enumerate(node.outs):
+            for n, w in node.writes:
+                if w is v:
+                    alias[i] = written[n]
+    leaves = [alias[i] if i in alias else
+              torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3])
+              for i, m in enumerate(metas)]
+    return multi(leaves) if multi is not None else leaves[0]

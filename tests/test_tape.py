@@ -116,6 +116,9 @@ def test_saveable_value_nothing_needs_is_not_kept():
     assert [r.kind for r in rs if r.kind == "saved"] == []
 
 
+_K = torch.linspace(0.1, 1.6, 16, dtype=torch.float64).reshape(4, 4)  # a constant the programs read
+
+
 # -- only what backward needs -----------------------------------------------
 
 
@@ -396,7 +399,7 @@ _POLICIES = {"none": None, "dots": policies.dots_saveable, "all": policies.every
        inplace=st.booleans())
 def test_hypothesis_replay_matches_plain(steps, policy, how, inplace):
     def f(x, w):
-        vals = [x, w]
+        vals = [x, w, _K]  # (a constant: what depends only on it is kept, not recomputed)
         for k, (unary, a, b, op) in enumerate(steps):
             if unary:
                 v = _UNARY[sorted(_UNARY)[op % len(_UNARY)]](vals[a % len(vals)])
