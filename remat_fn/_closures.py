@@ -92,15 +92,17 @@ class Reachable:
         """The reachable tensors that need a gradient and are not in ``exclude``."""
         return [t for i, t in self.tensors.items() if i not in exclude and needs_grad(t)]
 
-    def relocated(self):
-        """Context manager putting every tensor back where it was found."""
-        return self._relocated() if self.places else _NULL
+    def relocated(self, replace: dict | None = None):
+        """Context manager putting every tensor back where it was found (or, for the
+        ids in ``replace``, the tensor given there)."""
+        return self._relocated(replace or {}) if self.places else _NULL
 
     @contextlib.contextmanager
-    def _relocated(self):
+    def _relocated(self, replace: dict):
         undo = []
         try:
             for container, key, t in self.places:
+                t = replace.get(id(t), t)
                 if key is None:
                     try:
                         cur = container.cell_contents

@@ -64,9 +64,17 @@ def needs_grad(t: torch.Tensor) -> bool:
     t = C.unwrap_if_dead(t)  # left over from a transform that has exited
     if t.requires_grad:
         return True
+    kinds = None
     while C.is_functorch_wrapped_tensor(t):
         if C.is_gradtrackingtensor(t):
-            return True
+            # A grad level differentiates what requires grad at its level: a tensor
+            # passed or made there without it (a BatchNorm buffer given to
+            # functional_call, a constant) is a constant to it.  A forward-mode
+            # level's wrapper may carry a tangent.
+            if kinds is None:
+                kinds = live_levels()
+            if kinds.get(C.maybe_get_level(t)) != _GRAD:
+                return True
         t = C.get_unwrapped(t)
         if t.requires_grad:
             return True

@@ -45,7 +45,7 @@ from ._profile import active, storage_bytes
 from ._record import Diverged, Record, saving
 from ._region import RegionCall
 from ._rng_state import RNGSnapshot
-from ._tape import Tape
+from ._tape import Tape, private_copies
 from ._torch_internals import saved_tensor_attrs, use_count
 from ._torch_internals import version as version_of
 
@@ -64,7 +64,7 @@ class _RegionState:
     __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "reach",
                  "fwd_hits", "rec", "needs", "trace", "views", "autocast", "produced", "prof",
                  "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
-                 "offload", "tape", "plan", "outside")
+                 "offload", "tape", "plan", "outside", "written")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -100,11 +100,13 @@ class _RegionState:
         self.tape: Tape | None = None  # the forward's ops (remat_fn._tape)
         self.plan: set[int] | None = None  # the tape nodes the recomputation computes
         self.outside: list = []  # (tensor, version) of the outside tensors the recomputation reads
+        self.written: dict = {}  # storages the forward wrote -> their copy before (Tape.pre_write)
 
     def call(self, tensors, known: set[int] | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
-        if known is None:  # a recomputation: put functional_call's tensors back
-            with self.reach.relocated():
+        if known is None:  # a recomputation: put functional_call's tensors back; the
+            # buffers the forward wrote (BatchNorm's statistics) as private copies
+            with self.reach.relocated(private_copies(self.reach.tensors.values(), self.written)):
                 return self._call(tensors, known)
         return self._call(tensors, known)
 
@@ -209,6 +211,7 @@ class _RematFunction(torch.autograd.Function):
             with saving(spec.rec, recompute=False, tape=tape), hooks_aside():
                 douts, vjp_fn, aux = torch.func.vjp(f, *[tensors[i] for i in wrt], has_aux=True)
             del vjp_fn  # the level's graph: what it saved dies here
+            spec.written = tape.pre_write
             rebuild, mask, saved, pos, refs = box.pop()
             diff, other = iter(douts), iter(aux)
             outs = tuple(next(diff) if d else next(other) for d in mask)
@@ -605,6 +608,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     spec.rng = snap if snap is not None and snap.finish() else None
     off = spec.offload
     reach.record_versions(off.kept_inputs(inputs) if off is not None else inputs)
+    if spec.written:  # (the recomputation reads its private copies of those)
+        reach.versions = [(t, v) for t, v in reach.versions if storage_ptr(t) not in spec.written]
     if prof is not None:
         kept = [*(off.kept_inputs(inputs) if off is not None else inputs), *captured]
         if spec.rec is not None:

@@ -36,6 +36,7 @@ import optree
 import torch
 
 from ._errors import mutated_outside
+from ._functorch import unwrap_all
 from ._torch_internals import schema
 from ._torch_internals import version as version_of
 
@@ -190,6 +191,9 @@ class Tape:
         self.outside: dict[int, list] = {}  # storage -> outside Values read from it
         self.paused = 0
         self.stale: list = []  # outside Values whose tensor the region wrote after reading them
+        # torch.func path: storage -> a copy of it before the region first wrote into it
+        # (the re-run writes into private copies: a buffer is updated once)
+        self.pre_write: dict[int, Any] = {}
 
     # -- forward -------------------------------------------------------------
     def lookup(self, t: torch.Tensor) -> Value:
@@ -255,6 +259,8 @@ class Tape:
                 p = _ptr(t)
                 if p and p not in self.region_ptrs:
                     self._snapshot(p)
+                    if self.func_path and p not in self.pre_write:
+                        self.pre_write[p] = t.untyped_storage().clone()
         return node
 
     def _snapshot(self, ptr: int) -> None:
@@ -501,3 +507,17 @@ def placeholder(node, args, kwargs):
               torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3])
               for i, m in enumerate(metas)]
     return multi(leaves) if multi is not None else leaves[0]
+
+
+def private_copies(tensors, pre_write: dict) -> dict:
+    """``{id(t): copy}`` for the ``tensors`` (what a region reaches) whose storage the
+    region's forward wrote: each a plain tensor, with ``t``'s geometry, on a fresh copy
+    of the storage as it was before the first write (see ``Tape.pre_write``)."""
+    out = {}
+    for t in tensors:
+        b = unwrap_all(t)
+        st = pre_write.get(_ptr(b)) if b.layout == torch.strided else None
+        if st is not None:
+            out[id(t)] = torch.empty(0, dtype=b.dtype, device=b.device).set_(
+                st.clone(), b.storage_offset(), b.size(), b.stride())
+    return out

@@ -192,6 +192,57 @@ def test_batchnorm_training_equals_plain():
     assert int(rem[1].num_batches_tracked) == 3
 
 
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batchnorm_under_torch_func_equals_plain(momentum):
+    """A functional training loop (functional_call + grad, buffers passed in): the
+    recomputation writes into private copies of the buffers, so the running statistics
+    are updated once and the gradients are plain's, bit for bit."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8, momentum=momentum),
+                                   torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+    plain, rem = model(), model()
+    rem[1].forward = remat(rem[1].forward)
+    rem[0].forward = remat(rem[0].forward)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(16, 6, generator=g)
+        for m in (plain, rem):
+            params = {k: v.detach() for k, v in m.named_parameters()}
+            bufs = dict(m.named_buffers())
+            grads = grad(lambda p, b: torch.func.functional_call(m, (p, b), (x,)).pow(2).mean())(params, bufs)
+            with torch.no_grad():
+                for k, p in m.named_parameters():
+                    p.sub_(0.1 * grads[k])
+    for a, b in zip(plain.state_dict().values(), rem.state_dict().values()):
+        assert torch.equal(a, b)
+    assert int(rem[1].num_batches_tracked) == 3
+
+
+class _Doubling(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("buf", torch.ones(4, dtype=torch.float64))
+
+    def forward(self, x):
+        y = (x + self.buf).sin()  # (add saves nothing: backward recomputes x + buf)
+        self.buf.mul_(2)  # the recomputation must read 1, not 2 (or 4)
+        return y * self.buf
+
+
+def test_torch_func_buffer_read_then_written_recomputes_from_the_value_read():
+    x = _args(k=1)[0][0]
+    grads = []
+    for wrap in (False, True):
+        m = _Doubling()
+        if wrap:
+            m.forward = remat(m.forward)
+        grads.append(grad(lambda x, b: torch.func.functional_call(m, b, (x,)).sum())(x, dict(m.named_buffers())))
+        assert torch.equal(m.buf, torch.full((4,), 2.0, dtype=torch.float64))
+    assert_tree_close(grads[1], grads[0])
+
+
 def test_spectral_norm_gradient_equals_plain():
     torch.manual_seed(0)
     lin = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(5, 5))
@@ -225,7 +276,7 @@ def test_python_side_effects_run_once(how):
 def test_torch_func_path_runs_python_again_but_not_tensor_side_effects(how):
     """What the replay does not cover yet: under torch.func the recomputation runs the
     function again (its Python side effects repeat), while the ops it skips or
-    redirects keep tensors from outside untouched (test_batchnorm_under_torch_func)."""
+    redirects keep tensors from outside untouched (test_batchnorm_under_torch_func_equals_plain)."""
     calls = []
 
     def f(x):
