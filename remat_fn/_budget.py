@@ -34,7 +34,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ._functorch import transform_kinds
 from .policies import DOT_OPS, NAMED
 
-__all__ = ["Plan", "Measuring", "BudgetPlanner", "solve", "op_cost", "make_plan", "stats", "clear_plans"]
+__all__ = ["Plan", "Measuring", "BudgetPlanner", "solve", "op_cost", "make_plan", "plan_on_graph", "stats",
+           "clear_plans"]
 
 aten = torch.ops.aten
 
@@ -153,6 +154,55 @@ def make_plan(fraction: float, items: dict, reference: int, fixed: int = 0) -> P
     return Plan(keys, int(capacity), reference, saved, cost, lst)
 
 
+#: above this many candidate ops the plan falls back to the knapsack over saved values
+GRAPH_CANDIDATES = 160
+
+
+def plan_on_graph(fraction: float, items: dict, reference: int, fixed: int, tape, roots) -> Plan | None:
+    """The plan, chosen on the recorded forward (remat_fn._tape): which op outputs to keep
+    so that the ops backward must replay cost least, within ``fraction * reference -
+    fixed`` bytes.  A choice is judged by what the replay of it runs (JAX's rule: a kept
+    value stops the walk back from what autograd saved, anything else is recomputed
+    with everything it needs that is not kept) and by the bytes of the kept values the
+    replay reads; values nobody reads cost nothing.  Greedy: add the output with the
+    most recompute cost saved per byte added while one fits.  Unlike the knapsack over
+    the saved values alone, keeping a value also spares the ops upstream of it, and
+    keeping an upstream value can spare several saved ones.  None when the region has
+    more than ``GRAPH_CANDIDATES`` candidates (the knapsack plans those)."""
+    nodes = tape.nodes
+    cand = [k for k, n in enumerate(nodes) if n is not None and n.key in items]
+    if not cand or len(cand) > GRAPH_CANDIDATES:
+        return None
+    capacity = max(0.0, fraction * reference - fixed)
+    ncost = [items[n.key][1] if n is not None and n.key in items else 0.0 for n in nodes]
+    nbytes = {k: items[nodes[k].key][0] for k in cand}
+
+    def judge(chosen: set) -> tuple[float, int]:
+        run, used, _ = tape.plan(roots, lambda v: v.node in chosen)
+        return sum(ncost[k] for k in run), sum(nbytes[k] for k in {v.node for v in used})
+
+    chosen: set[int] = set()
+    cost, held = judge(chosen)
+    while True:
+        best = None
+        for k in cand:
+            if k in chosen:
+                continue
+            c, b = judge(chosen | {k})
+            if b <= capacity and c < cost:
+                score = (cost - c) / max(b - held, 1)
+                if best is None or score > best[0]:
+                    best = (score, k, c, b)
+        if best is None:
+            break
+        _, k, cost, held = best
+        chosen.add(k)
+    _, used, _ = tape.plan(roots, lambda v: v.node in chosen)
+    keep = {v.node for v in used}
+    keys = [nodes[k].key for k in sorted(keep)]
+    return Plan(keys, int(capacity), reference, held, cost, [(nodes[k].key, nbytes[k], ncost[k]) for k in cand])
+
+
 # -- the first call: measure while running ------------------------------------------
 class Measuring:
     """The policy of a region's first call: keep nothing (the call is recomputed
@@ -206,15 +256,22 @@ class Measuring:
         elif ptr in self.input_ptrs:
             self.saved_inputs[ptr] = nbytes
 
-    def finish(self, saved: dict[int, int] | None = None) -> Plan:
+    def finish(self, saved: dict[int, int] | None = None, tape=None, roots=()) -> Plan:
         """The plan (cached).  ``saved``: storages autograd holds at the end of the
-        forward (pointer -> bytes), for a path that cannot note them as they are saved."""
+        forward (pointer -> bytes), for a path that cannot note them as they are saved.
+        ``tape`` and ``roots``: the recorded forward and the values autograd saved, to
+        plan on the graph (:func:`plan_on_graph`)."""
         for ptr, nbytes in (saved or {}).items():
             self.note_saved(ptr, nbytes)
         keys = {k for k, _ in self.saved}
-        items = {k: [b, c] for k, (b, c) in self.items.items() if k in keys}
         fixed = sum(self.saved_inputs.values())
-        plan = make_plan(self.planner.fraction, items, sum(self.saved.values()) + fixed, fixed)
+        reference = sum(self.saved.values()) + fixed
+        plan = None
+        if tape is not None and roots:
+            plan = plan_on_graph(self.planner.fraction, self.items, reference, fixed, tape, roots)
+        if plan is None:
+            items = {k: [b, c] for k, (b, c) in self.items.items() if k in keys}
+            plan = make_plan(self.planner.fraction, items, reference, fixed)
         self.items, self.producer, self.saved, self.saved_inputs = {}, {}, {}, {}
         self.planner.store(self.key, plan)
         return plan

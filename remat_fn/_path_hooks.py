@@ -546,8 +546,8 @@ def _finish_tape(frame: _Frame, tensors, out, outer) -> None:
                     v.t = None
     if rec is not None:
         rec.producer = {}
-        if isinstance(rec.policy, Measuring):  # memory_budget's first call
-            rec.policy.finish()
+        if isinstance(rec.policy, Measuring):  # memory_budget's first call: plan on the tape
+            rec.policy.finish(tape=tape, roots=roots)
         sink = residual_sink()
         if sink is not None:
             for key, _, t, kind, nm in rec.kept():

@@ -27,7 +27,7 @@ from ._closures import reachable_tensors
 from ._describe import describe_meta, user_frame
 from ._errors import RematError
 from ._functorch import transforms_active
-from ._torch_internals import TorchDispatchMode
+from ._torch_internals import TorchDispatchMode, schema
 
 __all__ = ["Residual", "saved_residuals", "print_saved_residuals", "residual_sink"]
 
@@ -83,7 +83,7 @@ class _Producers(TorchDispatchMode):
                     if ptr in self.closures:
                         self.used[ptr] = self.closures[ptr]
         out = func(*args, **(kwargs or {}))
-        if func.is_view:
+        if func.is_view or schema(func).is_mutable:
             return out
         for t in optree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -91,7 +91,8 @@ class _Producers(TorchDispatchMode):
                     ptr = t.untyped_storage().data_ptr()
                 except (RuntimeError, NotImplementedError):
                     continue
-                self.by_storage.setdefault(ptr, (f"aten.{func.overloadpacket.__name__}", user_frame()))
+                # a freed storage's memory is reused: the latest op that made it owns it
+                self.by_storage[ptr] = (f"aten.{func.overloadpacket.__name__}", user_frame())
         return out
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.func import grad
 
-from remat_fn import _budget, remat
+from remat_fn import _budget, remat, saved_residuals
 from remat_fn import policies as P
 from remat_fn._budget import BudgetPlanner, Plan, solve
 from remat_fn.memory import LiveBytes
@@ -216,3 +216,45 @@ def test_activation_inputs_count_against_the_budget(path):
     activation_input = 32 * 64 * 4
     assert plan.budget_bytes == int(0.5 * plan.reference_bytes - activation_input)
     assert plan.saved_bytes + activation_input <= 0.5 * plan.reference_bytes
+
+
+_WB = torch.randn(512, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) / 8
+_WE = torch.randn(64, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(4)) / 8
+
+
+def _two_branches(x, y, wb, we):
+    b = torch.exp(x @ wb / 8)  # exp saves b: recomputing it needs a 2.1 MFLOP matmul
+    e = y @ we  # sin saves e: recomputing it is a 0.26 MFLOP matmul
+    return b.sum(1) + torch.sin(e).sum(1)
+
+
+@pytest.mark.parametrize("how", ["eager", "vjp"])
+def test_budget_plans_on_the_recorded_graph(how):
+    """Both saved values are 16 KiB and the budget holds one.  On their own ops alone, e
+    (a matmul) looks dearer to recompute than b (an exp), but recomputing b replays the
+    bigger matmul upstream of it: the plan keeps b, and backward replays only e."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(32, 512, dtype=torch.float64, generator=gen),
+            torch.randn(32, 64, dtype=torch.float64, generator=gen), _WB, _WE]
+
+    def backward_flops(fn):
+        if how == "eager":
+            xs = [a.clone().requires_grad_() for a in args]
+            out = fn(*xs).sum()
+            with FlopCounterMode(display=False) as fc:
+                out.backward()
+        else:
+            out, vjp_fn = torch.func.vjp(lambda *a: fn(*a).sum(), *args)
+            with FlopCounterMode(display=False) as fc:
+                vjp_fn(torch.ones_like(out))
+        return fc.get_total_flops()
+
+    _budget.clear_plans()
+    r = remat(_two_branches, policy=P.memory_budget(0.5))
+    backward_flops(r)  # the measuring call (plans are per autograd path)
+    assert backward_flops(r) - backward_flops(_two_branches) == 2 * 32 * 64 * 64  # e's matmul, once
+    if how == "eager":
+        kept = [res for res in saved_residuals(r, *args) if res.kind == "saved"]
+        assert [res.op for res in kept] == ["aten.exp"]
