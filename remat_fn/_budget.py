@@ -1,4 +1,4 @@
-"""``memory_budget(fraction)``: choose what to save by solving a 0-1 knapsack.
+"""``memory_budget(fraction)``: choose what to save on the recorded forward.
 
 There is no separate measuring pass.  The first call of a region for a given
 plan key runs under :class:`Measuring`, a policy that keeps nothing (that call
@@ -6,8 +6,10 @@ is fully recomputed) and records every op output's bytes and recompute cost
 (FLOPs for matmul-like ops, output elements otherwise) and which outputs
 autograd saved (seen by the saved-tensor hooks in eager mode, in the graph's
 saved tensors under ``torch.func``).  Their bytes are the reference ``B``;
-:func:`solve` picks the ops to save, with total bytes <= ``fraction * B``, that
-maximise the recompute cost avoided; later calls use that plan.  Nothing runs
+:func:`plan_on_graph` picks the ops to save, with the bytes the replay reads <=
+``fraction * B``, that minimise what backward replays on the region's recorded
+forward (:func:`solve`, a knapsack over the saved values alone, plans regions too
+large for it); later calls use that plan.  Nothing runs
 twice: no extra draw from any RNG, no extra graph, no worker thread, and the
 first call costs no more memory than the plan's calls.
 

@@ -419,9 +419,12 @@ class memory_budget:
 
     On the first call for given input shapes/dtypes the region is run once to
     measure each op's output bytes and cost (FLOPs for matmul-like ops, output
-    elements for the rest) and which tensors autograd would save; a 0-1 knapsack
-    picks the ops to save.  The plan is cached per input signature.  Works in
-    eager mode and under ``torch.func``.
+    elements for the rest) and which tensors autograd would save; the ops to save
+    are then chosen on the recorded forward: a choice costs what backward must
+    replay under it (keeping a value spares every op upstream of it) and the
+    bytes of the kept values the replay reads (a 0-1 knapsack over the saved
+    values plans regions of more than 160 candidate ops).  The plan is cached per
+    input signature.  Works in eager mode and under ``torch.func``.
     """
 
     fraction: float
