@@ -186,7 +186,10 @@ class Tape:
         self.func_path = func_path  # record output metadata (the torch.func recomputation)
         # id(tensor) -> (Value, weak ref to the tensor, or the tensor itself for outside ones)
         self.reg: dict[int, tuple] | None = {}
-        self.region_ptrs: set[int] = set()  # storages allocated by the region's ops
+        # storages of outside tensors the region wrote (``outside`` has those read
+        # since): together, every outside storage a write can hit, as the written
+        # tensor is looked up (read) by the writing op itself
+        self.written_outside: set[int] = set()
         self.last_write: dict[int, Value] = {}  # storage -> Value written last
         self.outside: dict[int, list] = {}  # storage -> outside Values read from it
         self.paused = 0
@@ -257,7 +260,8 @@ class Tape:
         if info[0]:
             for t in written_tensors(func, args, kwargs):
                 p = _ptr(t)
-                if p and p not in self.region_ptrs:
+                if p and (p in self.outside or p in self.written_outside):
+                    self.written_outside.add(p)
                     self._snapshot(p)
                     if self.func_path and p not in self.pre_write:
                         self.pre_write[p] = t.untyped_storage().clone()
@@ -287,12 +291,8 @@ class Tape:
                 v = Value(k, i)
                 reg[id(t)] = (v, weakref.ref(t))
                 outs.append(v)
-                if not view and not writes:
-                    p = _ptr(t)
-                    if p:
-                        self.region_ptrs.add(p)
-                        if self.last_write:
-                            self.last_write.pop(p, None)
+                if self.last_write and not view and not writes:  # (a freed storage reused)
+                    self.last_write.pop(_ptr(t), None)
             else:
                 outs.append(None)
                 if t is not None:
@@ -369,7 +369,7 @@ class Tape:
         self.reg = None
         self.outside = {}
         self.last_write = {}
-        self.region_ptrs = set()
+        self.written_outside = set()
         used = {id(v) for v in used_outside}
         for v in self.stale:
             if id(v) not in used:
