@@ -69,12 +69,16 @@ class Value:
 class Node:
     """One recorded op."""
 
-    __slots__ = ("func", "flat", "spec", "reads", "outs", "writes", "rng", "key", "meta", "always", "shapes")
+    __slots__ = ("func", "flat", "spec", "kw", "reads", "outs", "writes", "rng", "key", "meta", "always", "shapes")
 
-    def __init__(self, func, flat, spec, reads, rng, key):
+    def __init__(self, func, flat, spec, kw, reads, rng, key):
         self.func = func
-        self.flat = flat  # argument leaves, tensors replaced by their Values
+        # argument leaves, tensors replaced by their Values: with ``spec`` the leaves of
+        # (args, kwargs); without, the positional arguments, and ``kw`` the keyword
+        # arguments (no tensor in a list or among those: most ops)
+        self.flat = flat
         self.spec = spec
+        self.kw = kw
         self.reads = reads  # the Values the op reads (arguments and earlier writes to their storage)
         self.outs: list = []  # per output leaf: its Value, or None (not a tensor)
         self.writes: list = []  # (argument position, Value of the written tensor after the op)
@@ -119,6 +123,24 @@ def _info(func) -> tuple:
         i = _INFO[func] = (_written_positions(func), _SEEDED in tags, func.is_view,
                            any(t in tags for t in _DYNAMIC))
     return i
+
+
+def _simple(args, kwargs) -> bool:
+    """No tensor among ``kwargs`` or inside a list argument."""
+    for a in args:
+        if type(a) in _SEQ:
+            for e in a:
+                if isinstance(e, torch.Tensor):
+                    return False
+    if kwargs:
+        for v in kwargs.values():
+            if isinstance(v, torch.Tensor):
+                return False
+            if type(v) in _SEQ:
+                for e in v:
+                    if isinstance(e, torch.Tensor):
+                        return False
+    return True
 
 
 def written_tensors(func, args, kwargs) -> list:
@@ -233,10 +255,10 @@ class Tape:
 
     def before(self, func, key, args, kwargs) -> Node:
         info = _info(func)
-        if kwargs or any(type(a) in _SEQ for a in args):
-            flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
-        else:  # (most ops: positional tensors and numbers, replayed as they are)
+        if _simple(args, kwargs):  # (most ops: tensors only as positional arguments)
             flat, spec = list(args), None
+        else:
+            flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
         reads = []
         last = self.last_write
         lookup = self.lookup
@@ -254,7 +276,7 @@ class Tape:
             g = _generator(func, args, kwargs)
             if g is not None:
                 rng = (g, g.get_state())
-        node = Node(func, flat, spec, reads, rng, key)
+        node = Node(func, flat, spec, kwargs if spec is None else None, reads, rng, key)
         if self.func_path:
             node.shapes = arg_shapes(args, kwargs)
         if info[0]:
@@ -446,7 +468,7 @@ class Tape:
             node = nodes[k]
             flat = [get(x) if type(x) is Value else x for x in node.flat]
             if node.spec is None:
-                args, kwargs = flat, {}
+                args, kwargs = flat, node.kw
             else:
                 args, kwargs = optree.tree_unflatten(node.spec, flat)
             out = node.func(*args, **kwargs) if node.rng is None else _run(node, args, kwargs)
@@ -485,6 +507,12 @@ def run_recorded(node: Node, args, kwargs):
 def redirect_writes(node, args, kwargs):
     """``node``'s arguments with the outside tensors it writes replaced by copies of
     what the forward read (the torch.func re-run never writes a tensor it does not own)."""
+    if node.spec is None:  # (positional tensors only: see Node)
+        args = list(args)
+        for j, v in enumerate(node.flat):
+            if type(v) is Value and v.node < 0 and v.snap is not None:
+                args[j] = v.snap.clone()
+        return args, kwargs
     flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
     for j, v in enumerate(node.flat):
         if type(v) is Value and v.node < 0 and v.snap is not None:
