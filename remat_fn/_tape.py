@@ -157,6 +157,8 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def arg_shapes(args, kwargs) -> tuple:
+    if _simple(args, kwargs):
+        return tuple(t.shape for t in args if isinstance(t, torch.Tensor))
     return tuple(t.shape for t in optree.tree_leaves((args, kwargs), none_is_leaf=True)
                  if isinstance(t, torch.Tensor))
 
