@@ -21,7 +21,7 @@ from .harness import machine_info
 MODULES = (core, recorded, rng, budget, distributed, offload)
 SECTIONS = {name: spec for m in MODULES for name, spec in m.SECTIONS.items()}
 CHILDREN = {name: fn for m in MODULES for name, fn in m.CHILDREN.items()}
-QUICK_DEFAULT = ("overhead", "step", "policies", "func", "rss", "random")
+QUICK_DEFAULT = ("overhead", "step", "gpt2", "policies", "func", "rss", "random")
 
 
 def render(res: dict) -> str:

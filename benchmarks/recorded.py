@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .harness import MiB, Spread, interleaved, ratio, spread, table
 from .models import gpt2
@@ -39,17 +38,6 @@ _MATMUL = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear")
 _ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_attention_math",
               "_scaled_dot_product_cudnn_attention")
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        k = func.overloadpacket.__name__
-        self.n[k] = self.n.get(k, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 class _Setup:
@@ -95,9 +83,14 @@ class _Setup:
         with LiveBytes() as m:
             loss = self.loss()
             live = m.live
-        with _Count() as c:
+        from remat_fn._debug import OpTrace
+
+        with OpTrace() as tr:
             loss.backward()
-        n = c.n
+        n: dict[str, int] = {}
+        for op in tr.ops:  # "aten.mm.default  file:line (function)"
+            k = op.split()[0].split(".")[1]
+            n[k] = n.get(k, 0) + 1
         return {"matmul": sum(n.get(k, 0) for k in _MATMUL), "attention": sum(n.get(k, 0) for k in _ATTENTION),
                 "ops": sum(n.values()), "after_forward_MiB": live / MiB}
 
