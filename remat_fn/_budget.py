@@ -241,7 +241,7 @@ class Measuring:
         outs = out if isinstance(out, (tuple, list)) else (out,)
         nbytes = 0
         for o in outs:
-            if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex()):
+            if isinstance(o, torch.Tensor):  # (integer outputs too: a kept op keeps them)
                 st = o.untyped_storage()
                 nbytes += st.nbytes()
                 # storages are reused once freed: the latest producer owns the pointer
@@ -265,6 +265,9 @@ class Measuring:
         plan on the graph (:func:`plan_on_graph`)."""
         for ptr, nbytes in (saved or {}).items():
             self.note_saved(ptr, nbytes)
+        if tape is not None and roots:  # (what a dead branch saved is not kept by plain autograd either)
+            live = {tape.nodes[v.node].key for v in roots if v.node >= 0}
+            self.saved = {(k, p): b for (k, p), b in self.saved.items() if k in live}
         keys = {k for k, _ in self.saved}
         fixed = sum(self.saved_inputs.values())
         reference = sum(self.saved.values()) + fixed

@@ -18,7 +18,7 @@ __all__ = [
     "C", "transforms_active", "transform_stack", "transform_kinds", "is_wrapped", "unwrap_one",
     "unwrap_all",
     "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead",
-    "forward_mode_active", "nested_forward_mode", "carries_grad",
+    "forward_mode_active", "nested_forward_mode", "carries_grad", "any_batched",
 ]
 
 C = functorch  # the C++ functorch bindings (checked in remat_fn._torch_internals)
@@ -78,6 +78,15 @@ def needs_grad(t: torch.Tensor) -> bool:
         t = C.get_unwrapped(t)
         if t.requires_grad:
             return True
+    return False
+
+
+def any_batched(t: torch.Tensor) -> bool:
+    """True if a ``vmap`` level wraps ``t`` (at any depth)."""
+    while C.is_functorch_wrapped_tensor(t):
+        if C.is_batchedtensor(t):
+            return True
+        t = C.get_unwrapped(t)
     return False
 
 

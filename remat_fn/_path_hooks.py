@@ -523,7 +523,9 @@ def _finish_tape(frame: _Frame, tensors, out, outer) -> None:
     saveable values that backward or the replay reads, recompute the rest) and
     let go of everything else."""
     tape, rec = frame.tape, frame.rec
-    roots = [*frame.values.values(), *frame.deps]
+    # (a saved tensor whose graph node is gone, a dead branch's, needs nothing)
+    handles = frame.handles
+    roots = [*(v for i, v in frame.values.items() if handles[i]() is not None), *frame.deps]
     run, used_kept, used_outside = tape.plan_kept(roots, rec)
     frame.run = run
     frame.kept = {id(v) for v in used_kept}

@@ -104,6 +104,7 @@ class Record:
         self.pending: dict[int, list] = {}  # storage -> [(op key, index)] of offloads not copied yet
         self.offload_ops: dict[tuple, tuple] = {}  # op key -> (op, meta args) of ops decided "offload"
         self.seq_nodes: list[int] = []  # per op of ``seq``: its node on the region's tape
+        self.overwritten: set = set()  # keys of kept outputs the replay writes into (see Tape.plan_kept)
 
     # -- forward -------------------------------------------------------------
     def before_mutation(self, func, args, kwargs) -> None:
@@ -281,11 +282,13 @@ class Record:
         """The kept output ``i`` of the op ``key`` (fetched back if offloaded)."""
         e = self.entries[key]
         if i in e.offloaded:
-            return self.offloader.fetch(e.offloaded[i])
-        if i in e.parts:
-            return _base(e.parts[i].detach())
-        leaves = e.out if type(e.out) in (tuple, list) else (e.out,)
-        return _base(leaves[i].detach())
+            t = self.offloader.fetch(e.offloaded[i])
+        elif i in e.parts:
+            t = _base(e.parts[i].detach())
+        else:
+            leaves = e.out if type(e.out) in (tuple, list) else (e.out,)
+            t = _base(leaves[i].detach())
+        return t.clone() if key in self.overwritten else t
 
     def retain(self, used: set) -> None:
         """Keep only the outputs ``used`` (``(key, index)`` pairs): the saveable values that
@@ -392,6 +395,12 @@ class Record:
                     e.parts = {}
 
     def replay(self, func, key, args, kwargs):
+        out = self._replay(func, key, args, kwargs)
+        if key in self.overwritten:
+            out = optree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, out, none_is_leaf=True)
+        return out
+
+    def _replay(self, func, key, args, kwargs):
         e = self.entries.get(key)
         if e is None:
             return func(*args, **kwargs)

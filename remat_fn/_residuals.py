@@ -60,6 +60,9 @@ class Residual:
         return f"{head}{named}{what}{where}{tail}"
 
 
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+
+
 def residual_sink():
     """The active recorder's list, or None (used by regions to report offloads and names)."""
     return getattr(_local, "sink", None)
@@ -83,7 +86,7 @@ class _Producers(TorchDispatchMode):
                     if ptr in self.closures:
                         self.used[ptr] = self.closures[ptr]
         out = func(*args, **(kwargs or {}))
-        if func.is_view or schema(func).is_mutable:
+        if func.is_view or func is _UNSAFE_VIEW or schema(func).is_mutable:  # (aliases, writes)
             return out
         for t in optree.tree_leaves(out):
             if isinstance(t, torch.Tensor):

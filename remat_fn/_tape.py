@@ -35,8 +35,8 @@ from typing import Any
 import optree
 import torch
 
-from ._errors import mutated_outside
-from ._functorch import unwrap_all
+from ._errors import RematError, mutated_outside
+from ._functorch import any_batched, unwrap_all
 from ._torch_internals import schema
 from ._torch_internals import version as version_of
 
@@ -112,16 +112,20 @@ def _written_positions(func) -> tuple:
 
 
 _SEQ = (tuple, list)
+# ops whose output shares its first argument's storage without being marked a view
+_ALIASING = tuple(getattr(torch.ops.aten, n).default for n in ("_unsafe_view",) if hasattr(torch.ops.aten, n))
 _INFO: dict[Any, tuple] = {}
 
 
 def _info(func) -> tuple:
-    """(written positions, draws random numbers, is a view, output shape depends on data)"""
+    """(written positions, draws random numbers, is a view, output shape depends on data,
+    takes a storage)"""
     i = _INFO.get(func)
     if i is None:
         tags = func.tags
         i = _INFO[func] = (_written_positions(func), _SEEDED in tags, func.is_view,
-                           any(t in tags for t in _DYNAMIC))
+                           any(t in tags for t in _DYNAMIC),
+                           any("Storage" in str(a.type) for a in schema(func).arguments))
     return i
 
 
@@ -261,6 +265,11 @@ class Tape:
             flat, spec = list(args), None
         else:
             flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+        if info[4]:
+            raise RematError(
+                f"remat: the region calls {func} on a storage: the recorded forward cannot replay a "
+                "tensor re-pointed at other memory (its writes would be lost). Fix: make that alias "
+                "outside the region, or use a view (x.view, x.as_strided) of the tensor instead.")
         reads = []
         last = self.last_write
         lookup = self.lookup
@@ -304,7 +313,7 @@ class Tape:
         self.nodes.append(node)
         reg = self.reg
         leaves = out if type(out) in _SEQ else (out,)
-        writes, _, view, dynamic = _info(node.func)
+        writes, _, view, dynamic, _ = _info(node.func)
         if self.func_path:
             node.meta = (type(out) if type(out) in (tuple, list) else None,
                          [(t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else None
@@ -351,7 +360,36 @@ class Tape:
         if rec is not None:
             nodes = self.nodes
             rec.retain({(nodes[v.node].key, v.idx) for v in used_kept})
+            # kept values a replayed op writes into (h = x @ w; h += b): handed out as
+            # copies, or a second backward would read the first one's writes
+            kept = {id(v) for v in used_kept}
+            rec.overwritten = {nodes[b.node].key for k in run if nodes[k].writes
+                               for w in self._written_values(nodes[k]) for b in self._bases(w) if id(b) in kept}
         return run, used_kept, used_outside
+
+    def _written_values(self, n: Node) -> list:
+        """The Values of the arguments node ``n`` writes (all its tensor arguments when
+        they were recorded flattened)."""
+        if n.spec is None:
+            return [n.flat[i] for i, _ in _written_positions(n.func) if i < len(n.flat) and type(n.flat[i]) is Value]
+        return [x for x in n.flat if type(x) is Value]
+
+    def _bases(self, v: Value) -> list:
+        """``v`` and the region values it aliases: through views, and through writes (the
+        result of an in-place op is its target)."""
+        out, todo, seen = [], [v], set()
+        while todo:
+            v = todo.pop()
+            if id(v) in seen or v.node < 0:
+                continue
+            seen.add(id(v))
+            out.append(v)
+            n = self.nodes[v.node]
+            if n.func.is_view or n.func in _ALIASING:
+                todo.extend(n.reads[:1])
+            elif any(w is v for _, w in n.writes):
+                todo.extend(self._written_values(n))
+        return out
 
     def plan(self, roots, kept) -> tuple[list[int], set, set]:
         """Walk back from ``roots`` (the Values backward needs).
@@ -543,11 +581,17 @@ def private_copies(tensors, pre_write: dict) -> dict:
     """``{id(t): copy}`` for the ``tensors`` (what a region reaches) whose storage the
     region's forward wrote: each a plain tensor, with ``t``'s geometry, on a fresh copy
     of the storage as it was before the first write (see ``Tape.pre_write``)."""
-    out = {}
+    out: dict = {}
+    copies: dict = {}  # storage -> its one copy (buffers that share a storage share it)
     for t in tensors:
+        if any_batched(t):  # (a per-model slice of stacked buffers under vmap: not rebuilt)
+            continue
         b = unwrap_all(t)
-        st = pre_write.get(_ptr(b)) if b.layout == torch.strided else None
+        p = _ptr(b) if b.layout == torch.strided else 0
+        st = pre_write.get(p)
         if st is not None:
+            if p not in copies:
+                copies[p] = st.clone()
             out[id(t)] = torch.empty(0, dtype=b.dtype, device=b.device).set_(
-                st.clone(), b.storage_offset(), b.size(), b.stride())
+                copies[p], b.storage_offset(), b.size(), b.stride())
     return out
