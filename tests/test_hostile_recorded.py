@@ -475,24 +475,32 @@ def _bn_x():
     return torch.randn(8, 3, dtype=F64), torch.randn(3, dtype=F64)
 
 
-@pytest.mark.xfail(strict=True, reason="grad of grad through a remat'ed BatchNorm (functional_call, buffers "
-                   "passed in): the region's forward runs under its own vjp level where the buffer is a "
-                   "captured tensor, so num_batches_tracked.add_ is refused by functorch")
-def test_batchnorm_grad_of_grad_under_functional_call():
-    x, w = _bn_x()
+def _bn_plain_and_remat(transform):
+    """``transform(bn)`` for a fresh BatchNorm, plain and remat'ed: results and running means."""
     res = []
     for wrap in (False, True):
         torch.manual_seed(0)
         bn = torch.nn.BatchNorm1d(3).double()
         if wrap:
             bn.forward = remat(bn.forward)
+        res.append((transform(bn), bn.running_mean.clone()))
+    _close(res[1][0], res[0][0])
+    assert torch.equal(res[1][1], res[0][1])
 
+
+@pytest.mark.xfail(strict=True, reason="grad of grad through a remat'ed BatchNorm (functional_call, buffers "
+                   "passed in): the region's forward runs under its own vjp level where the buffer is a "
+                   "captured tensor, so num_batches_tracked.add_ is refused by functorch")
+def test_batchnorm_grad_of_grad_under_functional_call():
+    x, w = _bn_x()
+
+    def hvp(bn):
         def loss(w, b):
             return functional_call(bn, b, (x * w,)).pow(3).sum()
 
-        res.append((grad(lambda w, b: grad(loss)(w, b).sum())(w, dict(bn.named_buffers())), bn.running_mean.clone()))
-    _close(res[1][0], res[0][0])
-    assert torch.equal(res[1][1], res[0][1])
+        return grad(lambda w, b: grad(loss)(w, b).sum())(w, dict(bn.named_buffers()))
+
+    _bn_plain_and_remat(hvp)
 
 
 @pytest.mark.xfail(strict=True, reason="needs_grad (remat_fn/_functorch.py) still counts a buffer under a "
@@ -500,16 +508,8 @@ def test_batchnorm_grad_of_grad_under_functional_call():
                    "requires grad (jacfwd/hessian of a remat'ed BatchNorm)")
 def test_batchnorm_jacfwd_under_functional_call():
     x, _ = _bn_x()
-    res = []
-    for wrap in (False, True):
-        torch.manual_seed(0)
-        bn = torch.nn.BatchNorm1d(3).double()
-        if wrap:
-            bn.forward = remat(bn.forward)
-        j = jacfwd(lambda x, b: functional_call(bn, b, (x,)).pow(3).sum())(x, dict(bn.named_buffers()))
-        res.append((j, bn.running_mean.clone()))
-    _close(res[1][0], res[0][0])
-    assert torch.equal(res[1][1], res[0][1])
+    _bn_plain_and_remat(
+        lambda bn: jacfwd(lambda x, b: functional_call(bn, b, (x,)).pow(3).sum())(x, dict(bn.named_buffers())))
 
 
 @pytest.mark.xfail(strict=True, reason="nested regions: the inner region's forward runs under the outer "
