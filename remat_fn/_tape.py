@@ -235,7 +235,9 @@ class Tape:
             if v.node >= 0:
                 if ref() is t:
                     return v
-            elif ref is t and v.version == version_of(t):
+            elif ref is t and (v.version == version_of(t) or (v.snap is not None and v.ptr in self.written_outside)):
+                # (read again after the region wrote it through a view: the replay's copy
+                # of this value receives those writes in order)
                 return v
         ptr = _ptr(t)
         v = Value(-1, 0, t, version_of(t), ptr)

@@ -442,15 +442,7 @@ class _ViewWriteThenRead(torch.nn.Module):
         return (x + self.buf).sin()  # then read (add saves nothing: sin saves x + buf)
 
 
-@pytest.mark.parametrize("how", [
-    pytest.param("eager", marks=pytest.mark.xfail(strict=True, reason=(
-        "a read after a write through a view is an outside Value of the live buffer (Tape.lookup), not the "
-        "write's result: a second call of the module before backward makes the replay raise "
-        "MutatedSavedTensorError although plain code works"))),
-    pytest.param("grad", marks=pytest.mark.xfail(strict=True, reason=(
-        "same on the torch.func path: _plan puts the post-write buffer in spec.outside, version-checked "
-        "in _saved although the re-run reads a private copy"))),
-])
+@pytest.mark.parametrize("how", ["eager", "grad"])
 def test_buffer_written_through_view_then_read_module_called_twice(how):
     x = torch.linspace(0.1, 1, 4, dtype=F64)
     res = []
