@@ -63,14 +63,14 @@ def _meta(args) -> tuple:
 class _Entry:
     """What is kept of one op's output: the whole output, or some of its tensors."""
 
-    __slots__ = ("out", "parts", "meta", "offloaded", "name")
+    __slots__ = ("out", "parts", "meta", "offloaded", "names")
 
     def __init__(self, meta):
         self.out = None  # full output (pytree of tensors), or None
         self.parts: dict[int, Any] = {}  # index -> tensor (or offload handle)
         self.meta = meta
         self.offloaded: dict[int, Any] = {}
-        self.name: str | None = None
+        self.names: dict[int, str] = {}  # output index -> the checkpoint_name it was given
 
 
 class _Pending:
@@ -173,7 +173,9 @@ class Record:
                 continue
             e.offloaded[i] = _Pending(t, d)
             self.pending.setdefault(storage_ptr(t), []).append((key, i))
-        e.name = name or e.name
+        if name:
+            for i in idxs:
+                e.names[i] = name
 
     def commit(self, ptr: int | None) -> None:
         """Autograd saved the storage ``ptr``: copy the offloads pending on it now."""
@@ -217,7 +219,7 @@ class Record:
             e = self.entries.setdefault(key, _Entry(None))
             if e.out is None:
                 e.parts[i] = _kept(base)
-            e.name = name
+            e.names[i] = name
             self.kept_ptrs.add(storage_ptr(base))
         elif isinstance(d, Offload):
             leaves = [None] * n
@@ -267,11 +269,11 @@ class Record:
                 leaves = e.out if type(e.out) in (tuple, list) else (e.out,)
                 for i, t in enumerate(leaves):
                     if isinstance(t, torch.Tensor):
-                        yield key, i, t, "saved", e.name
+                        yield key, i, t, "saved", e.names.get(i)
             for i, t in e.parts.items():
-                yield key, i, t, "saved", e.name
+                yield key, i, t, "saved", e.names.get(i)
             for i, h in e.offloaded.items():
-                yield key, i, h.host if type(h) is Stored else h.t, "offloaded", e.name
+                yield key, i, h.host if type(h) is Stored else h.t, "offloaded", e.names.get(i)
 
     def has(self, key, i: int) -> bool:
         """Whether the policy keeps output ``i`` of the op ``key`` (saved or offloaded)."""

@@ -911,8 +911,6 @@ def _max_named(x, w):
     return v.exp().sum() + h.sin().sum()
 
 
-@pytest.mark.xfail(strict=True, reason="Record.kept (remat_fn/_record.py) reports _Entry.name, one per op, "
-                   "for every kept output: the int64 indices of max are listed as \"named 'v'\"")
 def test_saved_residuals_name_belongs_to_the_named_output_only():
     x, w = torch.randn(8, 8), torch.randn(8, 8)
     r = remat(_max_named, policy=P.save_anything_except_these_names("unused"))
