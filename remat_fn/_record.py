@@ -488,12 +488,7 @@ class SaveMode(TorchDispatchMode):
         rec = self.rec
         tape = self.tape
         if rec is None and not self.recompute:  # (no policy: the tape only, no op keys needed)
-            if tape.paused:
-                return func(*args, **kwargs)
-            node = tape.before(func, None, args, kwargs)
-            out = func(*args, **kwargs)
-            tape.after(node, out, args, kwargs)
-            return out
+            return func(*args, **kwargs) if tape.paused else tape.record(func, None, args, kwargs)
         if self.recompute:
             if func is _DETACH or rec is None:
                 return func(*args, **kwargs)
@@ -504,12 +499,7 @@ class SaveMode(TorchDispatchMode):
             # A detach is never kept (a view) and autograd under a functorch grad
             # level inserts its own detaches where the forward ran none: leaving
             # them out of the policy's op sequence keeps the replay aligned.
-            if tape is None:
-                return func(*args, **kwargs)
-            node = tape.before(func, None, args, kwargs)
-            out = func(*args, **kwargs)
-            tape.after(node, out, args, kwargs)
-            return out
+            return func(*args, **kwargs) if tape is None else tape.record(func, None, args, kwargs)
         n = self.counts.get(func, 0)
         self.counts[func] = n + 1
         key = (func, n)

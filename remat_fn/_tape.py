@@ -89,26 +89,18 @@ class Node:
         self.shapes: tuple | None = None  # argument shapes, on the torch.func path
 
 
-_WRITES: dict[Any, tuple] = {}
 # ops that update BatchNorm's running statistics in place although their schema does
 # not say so (the ``training`` flag is argument 5)
 _UNDECLARED = tuple(getattr(getattr(torch.ops.aten, n, None), "default", None)
                     for n in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"))
 
 
-def _written_positions(func) -> tuple:
-    """(position, name) of the arguments ``func`` writes in place."""
-    w = _WRITES.get(func)
-    if w is None:
-        if func in _UNDECLARED:
-            args = schema(func).arguments
-            w = ((3, args[3].name), (4, args[4].name))
-        else:
-            w = tuple(
-                (i, a.name) for i, a in enumerate(schema(func).arguments)
-                if a.alias_info is not None and a.alias_info.is_write)
-        _WRITES[func] = w
-    return w
+def _writes_of(func) -> tuple:
+    """(position, name) of the arguments ``func`` writes in place (cached by :func:`_info`)."""
+    args = schema(func).arguments
+    if func in _UNDECLARED:
+        return ((3, args[3].name), (4, args[4].name))
+    return tuple((i, a.name) for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
 
 
 _SEQ = (tuple, list)
@@ -123,7 +115,7 @@ def _info(func) -> tuple:
     i = _INFO.get(func)
     if i is None:
         tags = func.tags
-        i = _INFO[func] = (_written_positions(func), _SEEDED in tags, func.is_view,
+        i = _INFO[func] = (_writes_of(func), _SEEDED in tags, func.is_view,
                            any(t in tags for t in _DYNAMIC),
                            any("Storage" in str(a.type) for a in schema(func).arguments))
     return i
@@ -149,7 +141,7 @@ def _simple(args, kwargs) -> bool:
 
 def written_tensors(func, args, kwargs) -> list:
     out = []
-    for i, name in _written_positions(func):
+    for i, name in _info(func)[0]:
         v = args[i] if i < len(args) else kwargs.get(name)
         for t in (v if isinstance(v, (tuple, list)) else (v,)):
             if isinstance(t, torch.Tensor):
@@ -273,10 +265,13 @@ class Tape:
                 "tensor re-pointed at other memory (its writes would be lost). Fix: make that alias "
                 "outside the region, or use a view (x.view, x.as_strided) of the tensor instead.")
         reads = []
+        shapes = [] if self.func_path else None
         last = self.last_write
         lookup = self.lookup
         for j, x in enumerate(flat):
             if isinstance(x, torch.Tensor):
+                if shapes is not None:
+                    shapes.append(x.shape)
                 v = lookup(x)
                 flat[j] = v
                 reads.append(v)
@@ -290,8 +285,8 @@ class Tape:
             if g is not None:
                 rng = (g, g.get_state())
         node = Node(func, flat, spec, kwargs if spec is None else None, reads, rng, key)
-        if self.func_path:
-            node.shapes = arg_shapes(args, kwargs)
+        if shapes is not None:  # (as arg_shapes gives them: the tensor leaves, in order)
+            node.shapes = tuple(shapes)
         if info[0]:
             for t in written_tensors(func, args, kwargs):
                 p = _ptr(t)
@@ -301,6 +296,13 @@ class Tape:
                     if self.func_path and p not in self.pre_write:
                         self.pre_write[p] = t.untyped_storage().clone()
         return node
+
+    def record(self, func, key, args, kwargs):
+        """Run ``func`` and record it as the next node."""
+        node = self.before(func, key, args, kwargs)
+        out = func(*args, **kwargs)
+        self.after(node, out, args, kwargs)
+        return out
 
     def _snapshot(self, ptr: int) -> None:
         """The region writes into an outside storage: copy the values read from it so far."""
@@ -373,7 +375,7 @@ class Tape:
         """The Values of the arguments node ``n`` writes (all its tensor arguments when
         they were recorded flattened)."""
         if n.spec is None:
-            return [n.flat[i] for i, _ in _written_positions(n.func) if i < len(n.flat) and type(n.flat[i]) is Value]
+            return [n.flat[i] for i, _ in _info(n.func)[0] if i < len(n.flat) and type(n.flat[i]) is Value]
         return [x for x in n.flat if type(x) is Value]
 
     def _bases(self, v: Value) -> list:
@@ -513,7 +515,7 @@ class Tape:
                 args, kwargs = flat, node.kw
             else:
                 args, kwargs = optree.tree_unflatten(node.spec, flat)
-            out = node.func(*args, **kwargs) if node.rng is None else _run(node, args, kwargs)
+            out = run_recorded(node, args, kwargs)
             if type(out) in _SEQ:
                 for v, t in zip(node.outs, out):
                     if v is not None:
@@ -527,7 +529,9 @@ class Tape:
         return {id(v): get(v) for v in want}
 
 
-def _run(node: Node, args, kwargs):
+def run_recorded(node: Node, args, kwargs):
+    """Run ``node``'s op on ``args``; a random op draws the forward's numbers (its
+    generator set to the recorded state, and put back after)."""
     rng = node.rng
     if rng is None:
         return node.func(*args, **kwargs)
@@ -540,26 +544,15 @@ def _run(node: Node, args, kwargs):
         g.set_state(before)
 
 
-def run_recorded(node: Node, args, kwargs):
-    """Run ``node``'s op on ``args`` drawing the forward's random numbers (the torch.func
-    recomputation, which re-runs the function)."""
-    return _run(node, args, kwargs)
-
-
 def redirect_writes(node, args, kwargs):
     """``node``'s arguments with the outside tensors it writes replaced by copies of
     what the forward read (the torch.func re-run never writes a tensor it does not own)."""
-    if node.spec is None:  # (positional tensors only: see Node)
-        args = list(args)
-        for j, v in enumerate(node.flat):
-            if type(v) is Value and v.node < 0 and v.snap is not None:
-                args[j] = v.snap.clone()
-        return args, kwargs
-    flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+    # node.flat lines up with the positional arguments, or with the leaves (see Node)
+    flat, spec = (list(args), None) if node.spec is None else optree.tree_flatten((args, kwargs), none_is_leaf=True)
     for j, v in enumerate(node.flat):
         if type(v) is Value and v.node < 0 and v.snap is not None:
             flat[j] = v.snap.clone()
-    return optree.tree_unflatten(spec, flat)
+    return (flat, kwargs) if spec is None else optree.tree_unflatten(spec, flat)
 
 
 def placeholder(node, args, kwargs):
