@@ -383,8 +383,9 @@ class Record:
 
     @contextlib.contextmanager
     def replaying(self):
-        """Around a replay of the region's tape: kept values checked, back from the
-        enclosing hooks and the offload device; handed back to the hooks after."""
+        """Around a recomputation (the tape's replay, or a re-run under SaveMode): kept
+        values checked, back from the enclosing hooks and the offload device; handed
+        back to the hooks after."""
         self.check_versions()
         self.unstash()
         self.prefetch()
@@ -432,7 +433,7 @@ def _single_output(func) -> bool:
     return len(rets) == 1 and str(rets[0].type) == "Tensor"
 
 
-class _Diverged(Exception):
+class Diverged(Exception):
     """Internal: a recomputation that skipped ops stopped following the forward's op
     sequence; it runs again computing everything."""
 
@@ -455,16 +456,16 @@ class SaveMode(TorchDispatchMode):
         # Forward-mode tangent ops interleave with the region's own ops, so no
         # replay while forward-mode AD is on (see forward_mode_active).
         self.diverged = recompute and forward_mode_active()
+        # a recomputation runs inside Record.replaying (kept values checked, fetched)
+        self.around = rec.replaying() if recompute and rec is not None else None
 
     def __enter__(self):
+        if self.around is not None:
+            self.around.__enter__()
         stack = getattr(_local, "stack", None)
         if stack is None:
             stack = _local.stack = []
         stack.append(self)
-        if self.recompute and self.rec is not None:
-            self.rec.check_versions()
-            self.rec.unstash()
-            self.rec.prefetch()
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -472,11 +473,8 @@ class SaveMode(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             _local.stack.pop()
-            rec = self.rec
-            if self.recompute and rec is not None and rec.stash is not None:
-                for e in rec.entries.values():  # back in the enclosing hooks' hands
-                    e.out = None
-                    e.parts = {}
+            if self.around is not None:
+                self.around.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # The bookkeeping below (detach, copies to the offload device) must not
@@ -519,6 +517,12 @@ class SaveMode(TorchDispatchMode):
             rec.after_op(func, key, args, kwargs, out)
         return out
 
+    def _diverge(self) -> None:
+        """From here on compute everything; after placeholders, start again (Diverged)."""
+        self.diverged = True
+        if self.dummies:
+            raise Diverged()
+
     def _recompute(self, rec: Record, func, args, kwargs):
         n = self.counts.get(func, 0)
         self.counts[func] = n + 1
@@ -531,9 +535,7 @@ class SaveMode(TorchDispatchMode):
         seq = rec.seq
         pos = self.pos
         if not self.diverged and (pos >= len(seq) or seq[pos] is not func):
-            self.diverged = True
-            if self.dummies:
-                raise _Diverged()
+            self._diverge()
         self.pos = pos + 1
         if self.diverged:
             return func(*args, **kwargs)
@@ -542,9 +544,7 @@ class SaveMode(TorchDispatchMode):
             return rec.replay(func, key, args, kwargs)
         node = self.tape.nodes[rec.seq_nodes[pos]]
         if node.shapes != arg_shapes(args, kwargs):  # (batched differently under vmap, say)
-            self.diverged = True
-            if self.dummies:
-                raise _Diverged()
+            self._diverge()
             return func(*args, **kwargs)
         if rec.entries.get(key) is not None and not node.writes:
             return rec.replay(func, key, args, kwargs)
@@ -617,5 +617,3 @@ def checkpoint_name(x: Any, name: str) -> Any:
                         mode.rec.named(t, name)
     return x
 
-
-Diverged = _Diverged
