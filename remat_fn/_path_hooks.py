@@ -483,29 +483,17 @@ def run_with_hooks(call: RegionCall) -> Any:
         others = [x for x in leaves if not isinstance(x, torch.Tensor)]
         frame.reach = reachable_tensors((fun, others) if others else fun)
         offl = frame.offload_ids = unaliased(frame.offload_ids, tensors, out)
-        if outer is not None:  # (remat_fn.distributed offloads the slice it keeps)
-            frame.stash_inputs(requesting(outer, offl, frame.rec.offloader) if offl else outer)
+        store = _input_hooks(outer, offl, frame.rec)
+        if store is not None:  # (the inputs come back with the recomputation)
+            frame.stash_inputs(store)
+        if outer is not None:
             frame.reach.record_versions()
-        elif offl:  # the offloaded inputs come back with the recomputation
-            frame.stash_inputs(hooks_for_inputs(offl, frame.rec.offloader))
-            frame.reach.record_versions([t for t in tensors if id(t) not in offl])
         else:
-            frame.reach.record_versions(tensors)
+            frame.reach.record_versions([t for t in tensors if id(t) not in offl])
         if frame.rec is not None:
-            frame.rec.producer = {}
             # keep no more than plain autograd would (see Record.prune)
             frame.rec.prune(frame.saved_ptrs)
-            if isinstance(frame.rec.policy, Measuring):  # memory_budget's first call
-                frame.rec.policy.finish()
-            sink = residual_sink()
-            if sink is not None:
-                for key, _, t, kind, nm in frame.rec.kept():
-                    sink.append((t, kind, nm, f"aten.{key[0].overloadpacket.__name__}"))
-                report_inputs(sink, tensors, offl)
-            if outer is not None and frame.rec.entries:
-                frame.rec.stash_through(outer)  # the enclosing hooks check versions
-            else:
-                frame.rec.seal(optree.tree_leaves(out))
+            _finish_record(frame.rec, tensors, offl, out, outer)
     else:
         frame.rec = None  # nothing will be recomputed: keep nothing
         frame.tape = None
@@ -530,13 +518,7 @@ def _finish_tape(frame: _Frame, tensors, out, outer) -> None:
     frame.run = run
     frame.kept = {id(v) for v in used_kept}
     offl = frame.offload_ids = unaliased(frame.offload_ids, tensors, out)
-    # Inputs the replay reads are stored through the enclosing hooks (an enclosing
-    # region recomputes them, remat_fn.distributed keeps a slice) or offloaded.
-    store = None
-    if outer is not None:
-        store = requesting(outer, offl, rec.offloader) if offl and rec is not None else outer
-    elif offl:
-        store = hooks_for_inputs(offl, rec.offloader)
+    store = _input_hooks(outer, offl, rec)
     if store is not None:
         by_id: dict[int, list] = {}
         for v in used_outside:
@@ -547,21 +529,37 @@ def _finish_tape(frame: _Frame, tensors, out, outer) -> None:
                     v.store = (store[0](v.t), store[1])
                     v.t = None
     if rec is not None:
-        rec.producer = {}
-        if isinstance(rec.policy, Measuring):  # memory_budget's first call: plan on the tape
-            rec.policy.finish(tape=tape, roots=roots)
-        sink = residual_sink()
-        if sink is not None:
-            for key, _, t, kind, nm in rec.kept():
-                sink.append((t, kind, nm, f"aten.{key[0].overloadpacket.__name__}"))
-            report_inputs(sink, tensors, offl)
-        if outer is not None and rec.entries:
-            rec.stash_through(outer)  # the enclosing hooks check versions
-        else:
-            rec.seal(optree.tree_leaves(out))
+        _finish_record(rec, tensors, offl, out, outer, tape, roots)
     tape.release(used_outside)
     tape.keep_only(run, used_kept)
     frame.fun = frame.args = frame.kwargs = None
+
+
+def _input_hooks(outer, offl, rec):
+    """The hooks a region stores its inputs through, None to hold them as they are: the
+    enclosing ones (an enclosing region recomputes them, remat_fn.distributed keeps a
+    slice; asked to offload those the policy offloads), or the offloader's."""
+    if outer is not None:
+        return requesting(outer, offl, rec.offloader) if offl else outer
+    return hooks_for_inputs(offl, rec.offloader) if offl else None
+
+
+def _finish_record(rec: Record, tensors, offl, out, outer, tape=None, roots=()) -> None:
+    """After the forward, on either recompute path: memory_budget's first call plans
+    (on the tape when there is one), saved_residuals hears what is kept, and the kept
+    values go through the enclosing hooks or are sealed against later writes."""
+    rec.producer = {}
+    if isinstance(rec.policy, Measuring):
+        rec.policy.finish(tape=tape, roots=roots)
+    sink = residual_sink()
+    if sink is not None:
+        for key, _, t, kind, nm in rec.kept():
+            sink.append((t, kind, nm, f"aten.{key[0].overloadpacket.__name__}"))
+        report_inputs(sink, tensors, offl)
+    if outer is not None and rec.entries:
+        rec.stash_through(outer)  # the enclosing hooks check versions
+    else:
+        rec.seal(optree.tree_leaves(out))
 
 
 def _report(frame: _Frame, prof, start: float, in_versions) -> None:
