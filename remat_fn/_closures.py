@@ -24,7 +24,7 @@ import torch
 
 from ._describe import describe
 from ._errors import MutatedSavedTensorError
-from ._functorch import needs_grad, unwrap_all
+from ._functorch import needs_grad, storage_ptr, unwrap_all
 from ._torch_internals import version
 
 __all__ = ["Reachable", "reachable_tensors"]
@@ -66,10 +66,13 @@ class Reachable:
         self.places: list[tuple[Any, Any, torch.Tensor]] = []
         self.versions: list[tuple[torch.Tensor, int]] = []
 
-    def record_versions(self, extra: list[torch.Tensor] = ()) -> None:
-        """Remember the version counter of every reachable tensor (after the forward)."""
+    def record_versions(self, extra: list[torch.Tensor] = (), skip=()) -> None:
+        """Remember the version counter of every reachable tensor (after the forward),
+        but those whose storage is in ``skip``."""
         versions = []
         for t in (*self.tensors.values(), *extra):
+            if skip and storage_ptr(t) in skip:
+                continue
             v = _version(t)
             if v is not None:
                 versions.append((t, v))

@@ -307,15 +307,18 @@ class _RematFunction(torch.autograd.Function):
         # Ops whose results backward does not need are skipped (see Tape.plan) when
         # nothing outside differentiates this backward; otherwise all run.
         plan = spec.plan if detach else None
+
+        def rerun(tape, plan):
+            with spec.rng or _NULL, saving(spec.rec, recompute=True, tape=tape, plan=plan), \
+                    random_in_vmap(spec.name):
+                return torch.func.vjp(f, *[tensors[i] for i in wrt])[1]
+
         with torch.no_grad() if detach else contextlib.nullcontext(), spec.autocast:
             start = time.perf_counter()
             try:
-                with spec.rng or _NULL, saving(spec.rec, recompute=True, tape=spec.tape, plan=plan), \
-                        random_in_vmap(spec.name):
-                    _, vjp_fn = torch.func.vjp(f, *[tensors[i] for i in wrt])
-            except Diverged:
-                with spec.rng or _NULL, saving(spec.rec, recompute=True), random_in_vmap(spec.name):
-                    _, vjp_fn = torch.func.vjp(f, *[tensors[i] for i in wrt])
+                vjp_fn = rerun(spec.tape, plan)
+            except Diverged:  # (after placeholders: again, computing everything)
+                vjp_fn = rerun(None, None)
             if spec.prof is not None:
                 spec.prof.record_recompute(spec.name, time.perf_counter() - start)
             gin = vjp_fn(cot)
@@ -607,9 +610,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         break
     spec.rng = snap if snap is not None and snap.finish() else None
     off = spec.offload
-    reach.record_versions(off.kept_inputs(inputs) if off is not None else inputs)
-    if spec.written:  # (the recomputation reads its private copies of those)
-        reach.versions = [(t, v) for t, v in reach.versions if storage_ptr(t) not in spec.written]
+    # (the recomputation reads private copies of the buffers the forward wrote)
+    reach.record_versions(off.kept_inputs(inputs) if off is not None else inputs, skip=spec.written)
     if prof is not None:
         kept = [*(off.kept_inputs(inputs) if off is not None else inputs), *captured]
         if spec.rec is not None:
