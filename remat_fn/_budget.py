@@ -179,28 +179,28 @@ def plan_on_graph(fraction: float, items: dict, reference: int, fixed: int, tape
     ncost = [items[n.key][1] if n is not None and n.key in items else 0.0 for n in nodes]
     nbytes = {k: items[nodes[k].key][0] for k in cand}
 
-    def judge(chosen: set) -> tuple[float, int]:
+    def judge(chosen: set) -> tuple[float, int, set]:
+        """(replay cost, bytes kept, the chosen nodes the replay reads) of a choice."""
         run, used, _ = tape.plan(roots, lambda v: v.node in chosen)
-        return sum(ncost[k] for k in run), sum(nbytes[k] for k in {v.node for v in used})
+        read = {v.node for v in used}
+        return sum(ncost[k] for k in run), sum(nbytes[k] for k in read), read
 
     chosen: set[int] = set()
-    cost, held = judge(chosen)
+    cost, held, keep = judge(chosen)
     while True:
         best = None
         for k in cand:
             if k in chosen:
                 continue
-            c, b = judge(chosen | {k})
+            c, b, read = judge(chosen | {k})
             if b <= capacity and c < cost:
                 score = (cost - c) / max(b - held, 1)
                 if best is None or score > best[0]:
-                    best = (score, k, c, b)
+                    best = (score, k, c, b, read)
         if best is None:
             break
-        _, k, cost, held = best
+        _, k, cost, held, keep = best
         chosen.add(k)
-    _, used, _ = tape.plan(roots, lambda v: v.node in chosen)
-    keep = {v.node for v in used}
     keys = [nodes[k].key for k in sorted(keep)]
     return Plan(keys, int(capacity), reference, held, cost, [(nodes[k].key, nbytes[k], ncost[k]) for k in cand])
 
@@ -268,13 +268,13 @@ class Measuring:
         if tape is not None and roots:  # (what a dead branch saved is not kept by plain autograd either)
             live = {tape.nodes[v.node].key for v in roots if v.node >= 0}
             self.saved = {(k, p): b for (k, p), b in self.saved.items() if k in live}
-        keys = {k for k, _ in self.saved}
         fixed = sum(self.saved_inputs.values())
         reference = sum(self.saved.values()) + fixed
         plan = None
         if tape is not None and roots:
             plan = plan_on_graph(self.planner.fraction, self.items, reference, fixed, tape, roots)
         if plan is None:
+            keys = {k for k, _ in self.saved}
             items = {k: [b, c] for k, (b, c) in self.items.items() if k in keys}
             plan = make_plan(self.planner.fraction, items, reference, fixed)
         self.items, self.producer, self.saved, self.saved_inputs = {}, {}, {}, {}
