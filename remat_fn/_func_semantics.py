@@ -37,7 +37,7 @@ from ._torch_internals import pop_hooks as _pop_hooks
 from ._torch_internals import push_hooks as _push_hooks
 from ._torch_internals import top_hooks as _top_hooks
 
-__all__ = ["NeedsGraph", "keep_nothing", "hooks_aside", "random_in_vmap", "connect_side_outputs", "check_unsure",
+__all__ = ["ForwardHook", "NeedsGraph", "keep_nothing", "hooks_aside", "random_in_vmap", "connect_side_outputs", "check_unsure",
            "check_lazy_outputs"]
 
 
@@ -47,7 +47,14 @@ class NeedsGraph(Exception):
     saved-tensor hooks of :func:`keep_nothing`; the forward runs again without."""
 
 
-class _Discard:
+class ForwardHook:
+    """Base of the pack hooks :func:`keep_nothing` pushes for the forward's vjp level
+    (a nested region steps them aside, see :func:`hooks_aside`)."""
+
+    __slots__ = ()
+
+
+class _Discard(ForwardHook):
     """The pack hook of :func:`keep_nothing`: keeps nothing, tells ``note`` (if any)
     what autograd would have saved."""
 
@@ -67,8 +74,9 @@ def _never(_p):  # pragma: no cover - the forward's level is never differentiate
 
 
 @contextlib.contextmanager
-def keep_nothing(name: str, note=None):
-    """Saved-tensor hooks that keep nothing, for the forward's vjp level.
+def keep_nothing(name: str, note=None, hooks=None):
+    """Saved-tensor hooks that keep nothing, for the forward's vjp level (or ``hooks``,
+    a :class:`ForwardHook` pack hook and its unpack, that keep handles).
 
     That level only tells what plain code would see (requires_grad, grad mode,
     side outputs); it is never differentiated, so what autograd would save
@@ -83,7 +91,7 @@ def keep_nothing(name: str, note=None):
     msg = _hooks_off_message() if not was else None
     if not was:
         _enable_hooks()
-    _push_hooks(_Discard(note), _never)
+    _push_hooks(*(hooks or (_Discard(note), _never)))
     refused = False
     try:
         yield
@@ -106,7 +114,7 @@ def hooks_aside():
     """Step an enclosing region's :func:`keep_nothing` hooks aside (a nested
     region enters its own ``torch.func`` level, which refuses hooks)."""
     top = _top_hooks(False)
-    if top is None or type(top[0]) is not _Discard:
+    if top is None or not isinstance(top[0], ForwardHook):
         yield
         return
     _pop_hooks()

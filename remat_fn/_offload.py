@@ -383,7 +383,7 @@ def report_inputs(sink: list, tensors, offloads: dict) -> None:
 
 
 def hooks_for_inputs(offloads: dict[int, Offload], offloader: Offloader):
-    """A ``(pack, unpack)`` pair for ``_Frame.stash_inputs``: the tensors whose ids
+    """A ``(pack, unpack)`` pair for ``Frame.stash_inputs``: the tensors whose ids
     are in ``offloads`` go to their destination, the others are kept as they are."""
 
     def pack(x: torch.Tensor):

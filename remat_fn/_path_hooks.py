@@ -42,7 +42,7 @@ from ._torch_internals import push_hooks as _push_hooks
 from ._torch_internals import top_hooks as _top_hooks
 from ._torch_internals import version as version_of
 
-__all__ = ["run_with_hooks", "NeedsTorchFuncPath", "hooks_enabled"]
+__all__ = ["run_with_hooks", "NeedsTorchFuncPath", "hooks_enabled", "Frame", "finish_tape"]
 
 # False while saved-tensor hooks are switched off for the process (a failed
 # torch.compile can leave them so); the torch.func path needs none.
@@ -95,14 +95,14 @@ def _DEAD():  # the weakref of a saved tensor that needs no recomputation
     return None
 
 
-class _Frame:
+class Frame:
     """One forward call of one region."""
 
     __slots__ = (
         "fun", "args", "kwargs", "name", "rng", "meta", "handles", "recomputed",
         "debug", "fwd_trace", "reach", "stash", "rec", "autocast", "in_forward", "strict",
         "input_ids", "outer", "nhandles", "saved_ptrs", "inner_backward", "prof", "prof_saved",
-        "offload_ids", "tape", "values", "run", "kept", "deps",
+        "offload_ids", "tape", "values", "run", "kept", "deps", "deferred", "consumed",
     )
 
     def __init__(self, fun, args, kwargs, name, debug):
@@ -145,6 +145,13 @@ class _Frame:
         self.run: list[int] | None = None  # the nodes the forward's plan replays
         self.kept: set[int] = set()  # ids of the kept Values the plan reads
         self.deps: list = []  # writes (through views) into saved tensors after they were made
+        # offloads copied after the forward (Record.retain), not as autograd saves them: the
+        # torch.func path's forward level, whose hooks run inside a functorch transform
+        self.deferred = False
+        # handles unpacked in this backward pass (None: not tracked).  The torch.func path's
+        # graph is differentiated with retain_graph=True, so used handles stay alive: a
+        # replay rebuilds only the ones not unpacked yet (and the one asked for)
+        self.consumed: set[int] | None = None
 
     def stash_inputs(self, hooks) -> None:
         pack, unpack = hooks
@@ -182,7 +189,7 @@ class _Frame:
             self.saved_ptrs[ptr] = nbytes = t.untyped_storage().nbytes()
             if type(rec.policy) is Measuring:  # memory_budget's first call
                 rec.policy.note_saved(ptr, nbytes)
-            if ptr in rec.pending:  # a value its policy offloads: copy it now
+            if ptr in rec.pending and not self.deferred:  # a value its policy offloads: copy it now
                 rec.commit(ptr)
             if self.outer is None and self.tape is None and ptr in rec.kept_ptrs:
                 # the policy keeps it anyway: autograd holds it as is, so backward
@@ -203,7 +210,7 @@ class _Frame:
                     # closes over) or an input: alive anyway, kept as autograd keeps it
                     self.handles.append(_DEAD)
                     return _Direct(t)
-                v = tape.lookup(t)  # an input stored through hooks (see _finish_tape)
+                v = tape.lookup(t)  # an input stored through hooks (see finish_tape)
             w = tape.write_before(t)
             if w is not None and w is not v:
                 self.deps.append(w)
@@ -234,30 +241,35 @@ class _Frame:
             if self.in_forward:
                 self.inner_backward = True
             if self.tape is not None:
-                self.replay(h.idx if self.in_forward else None)
+                self.replay(h.idx if self.in_forward else None, h.idx)
             else:
                 self.recompute(h.idx if self.in_forward else None)
             t = self.recomputed.pop(h.idx)
+        if self.consumed is not None:
+            self.consumed.add(h.idx)
         return t
 
     # -- backward from the tape ------------------------------------------------
-    def replay(self, target: int | None) -> None:
+    def replay(self, target: int | None, asked: int) -> None:
         """Rebuild every still-needed saved tensor (or ``target``, for a backward inside
-        the forward) by replaying the part of the tape it depends on."""
+        the forward) by replaying the part of the tape it depends on; ``asked``: the
+        handle being unpacked."""
         if self.prof is not None:
             with timer() as tm:
-                self._replay(target)
+                self._replay(target, asked)
             self.prof.record_recompute(self.name, tm.seconds)
         else:
-            self._replay(target)
+            self._replay(target, asked)
 
-    def _replay(self, target: int | None) -> None:
+    def _replay(self, target: int | None, asked: int) -> None:
         tape, rec, values = self.tape, self.rec, self.values
         if target is not None:  # inside the forward: nothing is final yet, recompute from outside
             live = [target]
             run, _, _ = tape.plan([values[target], *self.deps], lambda v: False)
         else:
-            live = [i for i, w in enumerate(self.handles) if w() is not None and i in values]
+            used = self.consumed or ()
+            live = [i for i, w in enumerate(self.handles)
+                    if w() is not None and i in values and (i not in used or i == asked)]
             if len(live) == len(values):
                 run = self.run
             else:
@@ -416,7 +428,7 @@ def run_with_hooks(call: RegionCall) -> Any:
     exactly the forward's tensors (``call.debug`` also compares op traces)."""
     fun, args, kwargs, name, debug = call.fun, call.args, call.kwargs, call.name, call.debug
     preserve_rng_state = call.opts.preserve_rng_state
-    frame = _Frame(fun, args, kwargs, name, debug)
+    frame = Frame(fun, args, kwargs, name, debug)
     frame.strict = call.strict or debug
     prof = active()
     if prof is not None:
@@ -472,7 +484,7 @@ def run_with_hooks(call: RegionCall) -> Any:
     if frame.nhandles and frame.tape is not None:
         # (an input the region wrote in place needs no refusal: the replay reads the
         # copy taken before the write and writes into copies)
-        _finish_tape(frame, tensors, out, outer)
+        finish_tape(frame, tensors, out, outer)
     elif frame.nhandles:
         for x, v in in_versions:
             if version_of(x) != v:
@@ -506,7 +518,7 @@ def run_with_hooks(call: RegionCall) -> Any:
     return out
 
 
-def _finish_tape(frame: _Frame, tensors, out, outer) -> None:
+def finish_tape(frame: Frame, tensors, out, outer) -> None:
     """After the forward: plan the replay from what autograd saved (JAX's rule: keep the
     saveable values that backward or the replay reads, recompute the rest) and
     let go of everything else."""
@@ -562,11 +574,11 @@ def _finish_record(rec: Record, tensors, offl, out, outer, tape=None, roots=()) 
         rec.seal(optree.tree_leaves(out))
 
 
-def _report(frame: _Frame, prof, start: float, in_versions) -> None:
+def _report(frame: Frame, prof, start: float, in_versions) -> None:
     """One call for remat_fn.profile(): time, bytes kept, bytes plain autograd keeps."""
     seconds = time.perf_counter() - start
     saved, frame.prof_saved = frame.prof_saved, None
-    kept = [t for t, direct in saved if direct]  # what autograd holds as is (see _Frame.pack)
+    kept = [t for t, direct in saved if direct]  # what autograd holds as is (see Frame.pack)
     if frame.nhandles:  # the region may be recomputed: it holds its inputs (or their offloaded copies)
         kept += [x for x, _ in in_versions if id(x) not in frame.offload_ids]
     offloaded = None

@@ -38,15 +38,18 @@ from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
 from ._describe import describe, describe_meta
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_outside
-from ._func_semantics import NeedsGraph, check_lazy_outputs, check_unsure, connect_side_outputs, hooks_aside, keep_nothing, random_in_vmap
-from ._functorch import carries_grad, grad_wrappers, is_grad_kind, is_wrapped, live_levels, needs_grad, storage_ptr, unwrap_all, unwrap_if_dead
+from ._func_semantics import ForwardHook, NeedsGraph, check_lazy_outputs, check_unsure, connect_side_outputs, hooks_aside, keep_nothing, random_in_vmap
+from ._functorch import any_batched, carries_grad, forward_mode_active, grad_wrappers, is_grad_kind, is_wrapped, live_levels, needs_grad, storage_ptr, unwrap_all, unwrap_if_dead
 from ._offload import FuncInputs, hint, input_offloads
+from ._offload_buffers import quiet
+from .memory import storage_released
+from ._path_hooks import Frame, finish_tape
 from ._profile import active, storage_bytes
 from ._record import Diverged, Record, saving
 from ._region import RegionCall
 from ._rng_state import RNGSnapshot
 from ._tape import Tape, private_copies
-from ._torch_internals import saved_tensor_attrs, use_count
+from ._torch_internals import DisableFuncTorch, is_view, saved_tensor_attrs, top_hooks, use_count
 from ._torch_internals import version as version_of
 
 __all__ = ["run_torch_func"]
@@ -64,7 +67,7 @@ class _RegionState:
     __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "reach",
                  "fwd_hits", "rec", "needs", "trace", "views", "autocast", "produced", "prof",
                  "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
-                 "offload", "tape", "plan", "outside", "written")
+                 "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -101,6 +104,15 @@ class _RegionState:
         self.plan: set[int] | None = None  # the tape nodes the recomputation computes
         self.outside: list = []  # (tensor, version) of the outside tensors the recomputation reads
         self.written: dict = {}  # storages the forward wrote -> their copy before (Tape.pre_write)
+        # Backward from the forward's own graph: the hooks path's frame whose handles the
+        # graph saved (None: backward re-runs the function), that graph (the forward
+        # level's vjp_fn), its differentiated outputs' metadata, each Function output's
+        # position among them, and the inputs it differentiates
+        self.frame = None
+        self.graph = None
+        self.dmeta: list = []
+        self.dpos: list = []
+        self.wrt: list[int] = []
 
     def call(self, tensors, known: set[int] | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
@@ -180,6 +192,11 @@ class _RematFunction(torch.autograd.Function):
             tape = spec.tape
             roots: list = []
             noted: dict[int, int] = {}
+            frame = spec.frame
+            hooks = None
+            if frame is not None:  # the level's graph is kept, its saved tensors as tape handles
+                hooks = (_KeepHandles(frame, noted), _Unpack(frame))
+                frame.input_ids = {id(t) for t in tensors}
 
             def note(t):  # a tensor autograd saves: backward needs its value
                 _note_storage(noted, t)
@@ -193,7 +210,7 @@ class _RematFunction(torch.autograd.Function):
 
             def f(*diff):
                 known.update(id(t) for t in diff)
-                with _NULL if keep else keep_nothing(spec.name, note):
+                with _NULL if keep else keep_nothing(spec.name, note, hooks):
                     o, rb = spec.call(_replace(tensors, wrt, diff), known)
                 # side outputs: candidates now (a tensor the graph saved is alive
                 # too), confirmed once the level's graph is gone (below)
@@ -204,15 +221,26 @@ class _RematFunction(torch.autograd.Function):
                 mask = [_is_diff(t) and carries_grad(t) for t in o]
                 box.append((rb, mask, _saved_storages(o) if keep and measure else noted,
                             pos, refs))
-                # vjp wants one output at least: a constant stands in (never read)
-                return (tuple(t for t, d in zip(o, mask) if d) or (torch.zeros(()),),
+                # vjp wants one output at least: a constant stands in (never read).  A kept
+                # graph holds the level's outputs: private aliases (see _release_outputs)
+                return (tuple(_alias(t) if frame is not None else t for t, d in zip(o, mask) if d)
+                        or (torch.zeros(()),),
                         tuple(t for t, d in zip(o, mask) if not d))
 
             with saving(spec.rec, recompute=False, tape=tape), hooks_aside():
                 douts, vjp_fn, aux = torch.func.vjp(f, *[tensors[i] for i in wrt], has_aux=True)
-            del vjp_fn  # the level's graph: what it saved dies here
+            if frame is not None:
+                frame.in_forward = False
+                frame.recomputed.clear()
+                spec.graph = vjp_fn  # (its saved tensors: handles the tape replays)
+                spec.dmeta = [_meta(t) for t in douts]
+            del vjp_fn  # without a frame, the level's graph: what it saved dies here
             spec.written = tape.pre_write
             rebuild, mask, saved, pos, refs = box.pop()
+            if refs:  # side outputs are swapped into the caller's objects, which that graph
+                spec.graph = None  # holds as its outputs: backward re-runs the function
+            if spec.graph is not None:
+                douts = _release_outputs(douts)
             diff, other = iter(douts), iter(aux)
             outs = tuple(next(diff) if d else next(other) for d in mask)
             del douts, aux, diff, other
@@ -231,6 +259,9 @@ class _RematFunction(torch.autograd.Function):
                 c, i = pos[k]
                 spec.escapes.setdefault(c, []).append(i)
             del alive
+            if frame is not None:  # each output's position among the level's differentiated outputs
+                at = [sum(mask[:i]) if d else None for i, d in enumerate(mask)]
+                spec.dpos = at[:n] + [at[n + k] for k in side]
             outs = outs[:n] + tuple(outs[n + k] for k in side)
             mask = mask[:n] + [mask[n + k] for k in side]
             spec.plain_bytes = sum(saved.values())
@@ -242,19 +273,24 @@ class _RematFunction(torch.autograd.Function):
                 keep_ptrs = set(saved) | {p for o in outs if (p := storage_ptr(o)) is not None}
                 rec.prune(keep_ptrs, set(saved))  # an offloaded output: recomputed, not copied
                 spec.tape = None
+            elif frame is not None:  # as on the hooks path (memory_budget's plan, seal, ...)
+                spec.wrt = wrt
+                if spec.offload is not None:
+                    spec.offload.hints = rec.hint_outputs(outs)
+                finish_tape(frame, tensors, outs, None)
             else:
                 _plan(spec, roots, tensors)
-            if isinstance(rec.policy, Measuring):  # memory_budget's first call
+            if isinstance(rec.policy, Measuring) and frame is None:  # memory_budget's first call
                 rec.policy.finish(saved, spec.tape, roots)
         else:
             mask = None
-            spec.tape = None  # nothing will be differentiated
+            spec.tape = spec.frame = None  # nothing will be differentiated
             with saving(spec.rec, recompute=False), torch.set_grad_enabled(spec.grad_mode):
                 outs, rebuild = spec.call(tensors, known)
             spec.escaped = []
         spec.n_out = len(outs) - len(spec.escaped)
         spec.diff = [_is_diff(o) for o in outs] if mask is None else mask
-        if spec.rec is not None:
+        if spec.rec is not None and spec.frame is None:
             if spec.offload is not None:
                 spec.offload.hints = spec.rec.hint_outputs(outs)
             spec.rec.producer = {}
@@ -303,6 +339,9 @@ class _RematFunction(torch.autograd.Function):
             if d
         )
 
+        # (grad mode off: nothing records this backward; a forward-mode level would, see _from_graph)
+        if (detach or not torch.is_grad_enabled()) and spec.graph is not None and not forward_mode_active():
+            return _from_graph(spec, tensors, wrt, grads)
         f = _recompute_fn(spec, tensors, wrt, out_diff)
         # Ops whose results backward does not need are skipped (see Tape.plan) when
         # nothing outside differentiates this backward; otherwise all run.
@@ -403,6 +442,89 @@ def _plan(spec: _RegionState, roots, inputs) -> None:
             if v.node < 0 and v.snap is None:
                 v.t = None
     spec.plan = set(run)
+
+
+class _KeepHandles(ForwardHook):
+    """The pack hook of the forward's level when backward differentiates that level's
+    graph: what autograd saves becomes a handle of the hooks path's frame (the tape
+    replays it in backward), and its storage is noted (what plain autograd keeps)."""
+
+    __slots__ = ("frame", "noted")
+
+    def __init__(self, frame, noted):
+        self.frame = frame
+        self.noted = noted
+
+    def __call__(self, t):
+        _note_storage(self.noted, t)
+        return self.frame.pack(unwrap_all(t))
+
+
+class _Unpack:
+    """The unpack hook beside :class:`_KeepHandles`: the tape replays plain values, which
+    do not depend on the transforms active in backward (a ``vmap`` over cotangents in
+    ``jacrev``): it runs below them, as the forward's ops did (a random op drawing the
+    forward's numbers is no random op under that vmap)."""
+
+    __slots__ = ("frame",)
+
+    def __init__(self, frame):
+        self.frame = frame
+
+    def __call__(self, h):
+        with DisableFuncTorch():
+            return self.frame.unpack(h)
+
+
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A private alias of an output of the forward's level, differentiable, and no view
+    (a view would hold its base, the output itself): see _release_outputs."""
+    return _UNSAFE_VIEW(t, t.shape) if t.layout == torch.strided else t
+
+
+def _release_outputs(douts) -> tuple:
+    """The kept graph holds its level's outputs (private aliases, made in the forward's
+    ``f``), which autograd never reads: each gives its storage to a detached alias that
+    the Function returns (else its node, on what it returns, would hold itself) and
+    keeps a one-element stand-in of the same shape, so the graph holds no output's
+    memory (a region's output is freed when the caller lets it go, as in plain code)."""
+    out = []
+    for t in douts:
+        out.append(t.detach())  # (an enclosing region's tape records it: its replay makes it)
+        if t.numel() and t.layout == torch.strided and not is_view(t):
+            with quiet(), DisableFuncTorch():  # (bookkeeping, no op of any region)
+                one = torch.empty(1, dtype=t.dtype, device=t.device)
+                t.set_(one.untyped_storage(), 0, t.shape, (0,) * t.dim())
+            storage_released(t)  # (for LiveBytes, which no set_ reaches)
+    return tuple(out)
+
+
+def _from_graph(spec: _RegionState, tensors, wrt, grads) -> tuple:
+    """Backward through the forward level's graph: its saved tensors come back from the
+    tape's replay, so the function does not run again (its Python side effects happen
+    once).  Only where nothing outside differentiates this backward: no other grad level
+    (see _can_drop_graph) and no forward-mode level (``hessian``: the replayed values
+    carry no tangents)."""
+    cot = [torch.zeros(m[0], dtype=m[1], device=m[2]) for m in spec.dmeta]
+    for g, p in zip(grads, spec.dpos):
+        if g is not None and p is not None:
+            cot[p] = g
+    start = time.perf_counter()
+    spec.frame.consumed = set()  # (a new backward pass through the graph)
+    with torch.no_grad():
+        gin = spec.graph(tuple(cot))
+    if spec.prof is not None:
+        spec.prof.record_recompute(spec.name, time.perf_counter() - start)
+    result: list[Any] = [None] * (len(tensors) + 1)
+    where = {i: k for k, i in enumerate(spec.wrt)}
+    for i in wrt:
+        k = where.get(i)
+        if k is not None:
+            result[i + 1] = gin[k]
+    return tuple(result)
 
 
 def _note_storage(found: dict[int, int], t: torch.Tensor) -> None:
@@ -562,6 +684,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     start = time.perf_counter() if prof is not None else 0.0
     grad_mode = torch.is_grad_enabled()
     keep_graph = calls_torch_func
+    top = top_hooks(False)
+    nested = top is not None and isinstance(top[0], ForwardHook)
     for attempt in range(_MAX_RETRIES + 1):
         if attempt == _MAX_RETRIES:
             raise RematError(
@@ -574,9 +698,21 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         spec.produced = produced
         spec.keep_graph = keep_graph
         spec.rec = Record(policy)  # (without a policy: the op sequence, for the plan)
-        spec.tape = Tape(func_path=True)
         if policy is not None:
             spec.offload = FuncInputs(input_offloads(policy, inputs))
+        # (under vmap the forward level's tensors belong to a vmap level gone by backward)
+        # (strict: debug checks, early_stop=False or a generic context_fn, whose recompute
+        # context wraps a run of the function: backward runs it again, as on the hooks path)
+        # (nested in another region's forward: measured to keep more than the re-run under
+        # deep nesting, see docs/design.md; such a region runs again in backward)
+        if keep_graph or call.strict or (spec.offload is not None and spec.offload.decisions) \
+                or nested or any(any_batched(t) for t in (*inputs, *captured)):
+            spec.tape = Tape(func_path=True)  # backward re-runs the function
+        else:  # backward differentiates the forward's graph, its saved tensors replayed
+            frame = spec.frame = Frame(None, None, None, name, False)
+            frame.rec = spec.rec
+            frame.deferred = True
+            spec.frame.tape = spec.tape = Tape(copies=True)
         spec.needs = [grad_mode and needs_grad(t) and _is_diff(t) for t in (*inputs, *captured)]
         spec.prof = prof
         # forward mode runs the Function's jvp inside apply: it replays the

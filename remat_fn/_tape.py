@@ -201,9 +201,10 @@ def _no_autocast():
 class Tape:
     """The ops of one forward of one region (see the module docstring)."""
 
-    def __init__(self, func_path: bool = False):
+    def __init__(self, func_path: bool = False, copies: bool = False):
         self.nodes: list[Node] = []
         self.func_path = func_path  # record output metadata (the torch.func recomputation)
+        self.copies = func_path or copies  # fill pre_write (a torch.func re-run may follow)
         # id(tensor) -> (Value, weak ref to the tensor, or the tensor itself for outside ones)
         self.reg: dict[int, tuple] | None = {}
         # storages of outside tensors the region wrote (``outside`` has those read
@@ -293,7 +294,7 @@ class Tape:
                 if p and (p in self.outside or p in self.written_outside):
                     self.written_outside.add(p)
                     self._snapshot(p)
-                    if self.func_path and p not in self.pre_write:
+                    if self.copies and p not in self.pre_write:
                         self.pre_write[p] = t.untyped_storage().clone()
         return node
 

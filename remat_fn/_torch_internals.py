@@ -40,7 +40,7 @@ import torch
 __all__ = [
     "SUPPORTED_TORCH", "push_hooks", "pop_hooks", "top_hooks", "hooks_enabled", "hooks_disabled_message",
     "enable_hooks", "disable_hooks", "set_version_counter", "functorch", "functorch_active",
-    "DisableTorchFunction", "dispatch_stack_len", "function_mode_enabled", "TorchDispatchMode",
+    "DisableTorchFunction", "DisableFuncTorch", "dispatch_stack_len", "function_mode_enabled", "TorchDispatchMode",
     "disable_current_modes", "tree_leaves", "FakeTensorMode", "OpOverload", "OpOverloadPacket",
     "assert_async", "CachingTorchDispatchMode", "checkpoint_flag", "forward_ad_level", "version",
     "is_view", "use_count", "schema", "saved_tensor_attrs",
@@ -92,6 +92,8 @@ functorch_active = _attr(torch._C, "torch._C", "_are_functorch_transforms_active
 
 # modes
 DisableTorchFunction = _attr(torch._C, "torch._C", "DisableTorchFunction")
+# ops on plain tensors run as plain ops, whatever functorch transform is active
+DisableFuncTorch = _attr(torch._C, "torch._C", "_DisableFuncTorch")
 dispatch_stack_len = _attr(torch._C, "torch._C", "_len_torch_dispatch_stack")
 function_mode_enabled = _attr(torch._C, "torch._C", "_is_torch_function_mode_enabled")
 TorchDispatchMode = _from("torch.utils._python_dispatch", "TorchDispatchMode")

@@ -45,14 +45,31 @@ __all__ = ["LiveBytes", "MiB", "return_freed_memory_to_os", "offload_pool_stats"
 MiB = 1 << 20
 
 
+_COUNTERS: weakref.WeakSet = weakref.WeakSet()  # every meter's counter still referenced
+
+
+def storage_released(t: torch.Tensor) -> None:
+    """``t`` (a tensor some meter counted) was re-pointed at a storage of its own by
+    remat_fn (``set_``, which no dispatch mode sees): it no longer holds the storage it
+    was counted with."""
+    for c in list(_COUNTERS):
+        entry = c.fins.pop(id(t), None)
+        if entry is not None:
+            fin, key = entry
+            fin.detach()
+            c.drop(key)
+
+
 class _Counter:
-    __slots__ = ("live", "peak", "refs", "sizes")
+    __slots__ = ("live", "peak", "refs", "sizes", "fins", "__weakref__")
 
     def __init__(self):
         self.live = 0
         self.peak = 0
         self.refs: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
+        self.fins: dict[int, tuple] = {}  # id of a counted live tensor -> (its finalizer, storage)
+        _COUNTERS.add(self)
 
     def add(self, t: torch.Tensor, new: bool = True) -> None:
         try:
@@ -74,7 +91,11 @@ class _Counter:
                 self.peak = self.live
         else:
             self.refs[key] = n + 1
-        weakref.finalize(t, self.drop, key)
+        self.fins[id(t)] = (weakref.finalize(t, self.gone, id(t), key), key)
+
+    def gone(self, ident: int, key: int) -> None:
+        self.fins.pop(ident, None)
+        self.drop(key)
 
     def drop(self, key: int) -> None:
         n = self.refs.get(key)

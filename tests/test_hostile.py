@@ -168,11 +168,16 @@ def test_diverging_recompute_is_detected(how):
         f(xp).sum().backward()
         assert_tree_close(xe.grad, xp.grad)
         calls[0] = 0
+    else:  # changed (issue 19): under torch.func too
+        got = grad(lambda x: remat(f)(x).sum())(x)
+        calls[0] = 0
+        assert_tree_close(got, grad(lambda x: f(x).sum())(x))
+        calls[0] = 0
     with pytest.raises(RecomputeMismatchError, match="did not reproduce"):
         if how == "eager":
             remat(f, debug=True)(x.requires_grad_()).sum().backward()
         else:
-            grad(lambda x: remat(f)(x).sum())(x)
+            grad(lambda x: remat(f, debug=True)(x).sum())(x)
 
 
 def test_diverging_op_is_detected_under_grad():
@@ -182,8 +187,12 @@ def test_diverging_op_is_detected_under_grad():
         calls[0] += 1
         return x.sin() if calls[0] == 1 else x.cos()
 
+    # changed (issue 19): backward replays the recorded forward (the sin), as plain code;
+    # debug=True runs the function again and compares the op traces
+    assert_tree_close(grad(lambda x: remat(f)(x).sum())(X), grad(lambda x: x.sin().sum())(X))
+    calls[0] = 0
     with pytest.raises(RecomputeMismatchError, match=r"sin.*cos"):
-        grad(lambda x: remat(f)(x).sum())(X)
+        grad(lambda x: remat(f, debug=True)(x).sum())(X)
 
 
 # -- 4. used to hang ----------------------------------------------------------------
@@ -235,8 +244,13 @@ def test_retries_are_bounded(monkeypatch):
             x = x * w
         return x
 
+    # (debug=True: backward runs the function again, so the forward threads what it
+    # reaches as inputs, one retry each)
     with pytest.raises(RematError, match="retries"):
-        grad(lambda ws_: _swap(ws, ws_, lambda: remat(f)(X).sum()))(list(ws))
+        grad(lambda ws_: _swap(ws, ws_, lambda: remat(f, debug=True)(X).sum()))(list(ws))
+    # the default backward replays the recorded forward: every tensor's gradient, as plain
+    assert_tree_close(grad(lambda ws_: _swap(ws, ws_, lambda: remat(f)(X).sum()))(list(ws)),
+                      grad(lambda ws_: _swap(ws, ws_, lambda: f(X).sum()))(list(ws)))
 
 
 def _hidden(ws):

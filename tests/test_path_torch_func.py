@@ -186,15 +186,19 @@ def test_capture_that_changes_before_backward_raises_instead_of_zero():
     def fn(x):
         return f(x, _Holder.w)
 
-    def loss(w):
+    def loss(w, wrap=remat):
         _Holder.w = w
-        out = remat(fn)(X)
+        out = wrap(fn)(X)
         _Holder.w = W.clone()  # swapped away before backward runs
         return out
 
     try:
+        # backward replays the recorded forward, which read the tensor it used: as plain
+        assert_tree_close(grad(loss)(W), grad(lambda w: loss(w, lambda g: g))(W))
+        # under grad of grad the function runs again (its backward is differentiated)
+        # and reaches the new tensor: a clear error, never a zero gradient
         with pytest.raises(remat_fn.RematError, match="argument"):
-            grad(loss)(W)
+            grad(lambda w: grad(loss)(w).sum())(W)
     finally:
         _Holder.w = None
 

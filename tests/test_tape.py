@@ -273,10 +273,9 @@ def test_python_side_effects_run_once(how):
 
 
 @pytest.mark.parametrize("how", ["grad", "vjp"])
-def test_torch_func_path_runs_python_again_but_not_tensor_side_effects(how):
-    """What the replay does not cover yet: under torch.func the recomputation runs the
-    function again (its Python side effects repeat), while the ops it skips or
-    redirects keep tensors from outside untouched (test_batchnorm_under_torch_func_equals_plain)."""
+def test_torch_func_path_runs_python_once(how):
+    """Under torch.func backward differentiates the forward level's graph, whose saved
+    tensors the tape replays: the function's Python runs once, as in eager mode."""
     calls = []
 
     def f(x):
@@ -286,6 +285,29 @@ def test_torch_func_path_runs_python_again_but_not_tensor_side_effects(how):
     args = _args(k=1)
     got, _ = bwd(remat(f), args, how)
     assert_tree_close(got, plain_bwd(lambda x: x.exp().sin(), args)[0])
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("how", ["vmap_grad", "grad_grad"])
+def test_torch_func_path_runs_python_again_where_the_replay_cannot(how):
+    """What the replay does not cover: under vmap (the forward level's tensors belong to a
+    vmap level gone by backward) and where an outer level differentiates the backward
+    (grad of grad), the function runs again (its Python side effects repeat); the ops
+    it skips or redirects keep tensors from outside untouched."""
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return x.exp().sin()
+
+    x = _args(k=1)[0]
+    if how == "vmap_grad":
+        got = vmap(grad(lambda r: remat(f)(r).sum()))(x)
+        want = vmap(grad(lambda r: r.exp().sin().sum()))(x)
+    else:
+        got = grad(lambda r: grad(lambda s: remat(f)(s).sum())(r).sum())(x)
+        want = grad(lambda r: grad(lambda s: s.exp().sin().sum())(r).sum())(x)
+    assert_tree_close(got, want)
     assert len(calls) == 2
 
 
