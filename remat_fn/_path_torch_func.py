@@ -4,11 +4,16 @@ torch refuses saved-tensor hooks under ``torch.func.grad``/``vjp``/``jacrev``,
 so when a functorch transform is active the region runs inside
 :class:`_RematFunction`:
 
-* ``forward`` runs the region once with no graph recorded and returns its
-  tensor outputs; only the inputs (and captured tensors) are saved.
-* ``backward`` recomputes the region with ``torch.func.vjp`` and applies the
-  cotangents; ``jvp`` recomputes with ``torch.func.jvp``.  Both compose with
-  every functorch level (``generate_vmap_rule`` covers ``vmap``).
+* ``forward`` runs the region once, under a ``vjp`` level of its own whose
+  graph saves tape handles (see :mod:`remat_fn._func_graph`), and returns its
+  tensor outputs; the Function saves only the inputs (and captured tensors).
+* ``backward`` differentiates that graph, its saved tensors replayed from the
+  tape (the function does not run again), where nothing outside
+  differentiates the backward; otherwise (``grad`` of ``grad``, ``hessian``,
+  ``vmap``, a region nested in another's forward, ``debug=True``, offloaded
+  inputs) it runs the region again with ``torch.func.vjp``, computing only the
+  ops the tape's plan needs.  ``jvp`` recomputes with ``torch.func.jvp``.  Both
+  compose with every functorch level (``generate_vmap_rule`` covers ``vmap``).
 * Tensors the function closes over (found by :mod:`remat_fn._closures`,
   substituted by :mod:`remat_fn._captures`) are extra inputs, so their
   gradients are exact.
@@ -38,18 +43,35 @@ from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
 from ._describe import describe, describe_meta
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_outside
-from ._func_semantics import ForwardHook, NeedsGraph, check_lazy_outputs, check_unsure, connect_side_outputs, hooks_aside, keep_nothing, random_in_vmap
-from ._functorch import any_batched, carries_grad, forward_mode_active, grad_wrappers, is_grad_kind, is_wrapped, live_levels, needs_grad, storage_ptr, unwrap_all, unwrap_if_dead
+from ._func_graph import KeepHandles, Unpack, alias_output, can_drop_graph, from_graph, note_storage, release_outputs, saved_storages
+from ._func_semantics import (
+    ForwardHook,
+    NeedsGraph,
+    check_lazy_outputs,
+    check_unsure,
+    connect_side_outputs,
+    hooks_aside,
+    keep_nothing,
+    random_in_vmap,
+)
+from ._functorch import (
+    any_batched,
+    carries_grad,
+    forward_mode_active,
+    is_wrapped,
+    needs_grad,
+    storage_ptr,
+    unwrap_all,
+    unwrap_if_dead,
+)
 from ._offload import FuncInputs, hint, input_offloads
-from ._offload_buffers import quiet
-from .memory import storage_released
 from ._path_hooks import Frame, finish_tape
 from ._profile import active, storage_bytes
 from ._record import Diverged, Record, saving
 from ._region import RegionCall
 from ._rng_state import RNGSnapshot
 from ._tape import Tape, private_copies
-from ._torch_internals import DisableFuncTorch, is_view, saved_tensor_attrs, top_hooks, use_count
+from ._torch_internals import top_hooks, use_count
 from ._torch_internals import version as version_of
 
 __all__ = ["run_torch_func"]
@@ -195,11 +217,11 @@ class _RematFunction(torch.autograd.Function):
             frame = spec.frame
             hooks = None
             if frame is not None:  # the level's graph is kept, its saved tensors as tape handles
-                hooks = (_KeepHandles(frame, noted), _Unpack(frame))
+                hooks = (KeepHandles(frame, noted), Unpack(frame))
                 frame.input_ids = {id(t) for t in tensors}
 
             def note(t):  # a tensor autograd saves: backward needs its value
-                _note_storage(noted, t)
+                note_storage(noted, t)
                 b = unwrap_all(t)
                 v = tape.value_of(b)
                 if v is not None:
@@ -219,11 +241,11 @@ class _RematFunction(torch.autograd.Function):
                 spec.escaped = []
                 o = o + tuple(r() for r in refs)
                 mask = [_is_diff(t) and carries_grad(t) for t in o]
-                box.append((rb, mask, _saved_storages(o) if keep and measure else noted,
+                box.append((rb, mask, saved_storages(o) if keep and measure else noted,
                             pos, refs))
                 # vjp wants one output at least: a constant stands in (never read).  A kept
-                # graph holds the level's outputs: private aliases (see _release_outputs)
-                return (tuple(_alias(t) if frame is not None else t for t, d in zip(o, mask) if d)
+                # graph holds the level's outputs: private aliases (see release_outputs)
+                return (tuple(alias_output(t) if frame is not None else t for t, d in zip(o, mask) if d)
                         or (torch.zeros(()),),
                         tuple(t for t, d in zip(o, mask) if not d))
 
@@ -240,7 +262,7 @@ class _RematFunction(torch.autograd.Function):
             if refs:  # side outputs are swapped into the caller's objects, which that graph
                 spec.graph = None  # holds as its outputs: backward re-runs the function
             if spec.graph is not None:
-                douts = _release_outputs(douts)
+                douts = release_outputs(douts)
             diff, other = iter(douts), iter(aux)
             outs = tuple(next(diff) if d else next(other) for d in mask)
             del douts, aux, diff, other
@@ -331,7 +353,7 @@ class _RematFunction(torch.autograd.Function):
         if not wrt:
             return tuple(result)
         out_diff = ctx.out_diff
-        detach = _can_drop_graph(ctx.saved_tensors, grads)
+        detach = can_drop_graph(ctx.saved_tensors, grads)
         grads = tuple(unwrap_if_dead(g) if g is not None else None for g in grads)
         cot = tuple(
             g if g is not None else torch.zeros(m[0], dtype=m[1], device=m[2])
@@ -339,9 +361,9 @@ class _RematFunction(torch.autograd.Function):
             if d
         )
 
-        # (grad mode off: nothing records this backward; a forward-mode level would, see _from_graph)
+        # (grad mode off: nothing records this backward; a forward-mode level would, see from_graph)
         if (detach or not torch.is_grad_enabled()) and spec.graph is not None and not forward_mode_active():
-            return _from_graph(spec, tensors, wrt, grads)
+            return from_graph(spec, tensors, wrt, grads)
         f = _recompute_fn(spec, tensors, wrt, out_diff)
         # Ops whose results backward does not need are skipped (see Tape.plan) when
         # nothing outside differentiates this backward; otherwise all run.
@@ -381,49 +403,6 @@ class _RematFunction(torch.autograd.Function):
         return tuple(next(it) if d else None for d in out_diff)
 
 
-_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
-
-
-def _saved_storages(outs) -> dict[int, int]:
-    """Storages (pointer -> bytes) of the tensors autograd saved in the graph behind ``outs``.
-
-    Saved-tensor hooks are refused under torch.func, so the graph the policy
-    forward built (under its vjp level) is walked instead: every node exposes
-    what it saved as ``_saved_*`` attributes.
-    """
-    found: dict[int, int] = {}
-    # Python node objects may be made afresh by each ``next_functions`` read and
-    # freed after use; holding them keeps their ids from being reused
-    seen: dict[int, Any] = {}
-    stack = [o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen[id(node)] = node
-        names = _SAVED_ATTRS.get(type(node))
-        if names is None:
-            names = _SAVED_ATTRS[type(node)] = tuple(
-                saved_tensor_attrs(node))
-        for a in names:
-            try:
-                v = getattr(node, a)
-            except RuntimeError:  # released, or not a tensor slot
-                continue
-            for t in (v if isinstance(v, (tuple, list)) else (v,)):
-                if isinstance(t, torch.Tensor):
-                    _note_storage(found, t)
-        if hasattr(node, "saved_tensors"):  # custom autograd.Function nodes
-            try:
-                for t in node.saved_tensors:
-                    if isinstance(t, torch.Tensor):
-                        _note_storage(found, t)
-            except RuntimeError:
-                pass
-        stack.extend(n for n, _ in node.next_functions)
-    return found
-
-
 def _plan(spec: _RegionState, roots, inputs) -> None:
     """JAX's rule on the recorded forward: keep the saveable values backward or the
     recomputation of what it needs reads; compute only those ops (see Tape.plan)."""
@@ -442,97 +421,6 @@ def _plan(spec: _RegionState, roots, inputs) -> None:
             if v.node < 0 and v.snap is None:
                 v.t = None
     spec.plan = set(run)
-
-
-class _KeepHandles(ForwardHook):
-    """The pack hook of the forward's level when backward differentiates that level's
-    graph: what autograd saves becomes a handle of the hooks path's frame (the tape
-    replays it in backward), and its storage is noted (what plain autograd keeps)."""
-
-    __slots__ = ("frame", "noted")
-
-    def __init__(self, frame, noted):
-        self.frame = frame
-        self.noted = noted
-
-    def __call__(self, t):
-        _note_storage(self.noted, t)
-        return self.frame.pack(unwrap_all(t))
-
-
-class _Unpack:
-    """The unpack hook beside :class:`_KeepHandles`: the tape replays plain values, which
-    do not depend on the transforms active in backward (a ``vmap`` over cotangents in
-    ``jacrev``): it runs below them, as the forward's ops did (a random op drawing the
-    forward's numbers is no random op under that vmap)."""
-
-    __slots__ = ("frame",)
-
-    def __init__(self, frame):
-        self.frame = frame
-
-    def __call__(self, h):
-        with DisableFuncTorch():
-            return self.frame.unpack(h)
-
-
-_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
-
-
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """A private alias of an output of the forward's level, differentiable, and no view
-    (a view would hold its base, the output itself): see _release_outputs."""
-    return _UNSAFE_VIEW(t, t.shape) if t.layout == torch.strided else t
-
-
-def _release_outputs(douts) -> tuple:
-    """The kept graph holds its level's outputs (private aliases, made in the forward's
-    ``f``), which autograd never reads: each gives its storage to a detached alias that
-    the Function returns (else its node, on what it returns, would hold itself) and
-    keeps a one-element stand-in of the same shape, so the graph holds no output's
-    memory (a region's output is freed when the caller lets it go, as in plain code)."""
-    out = []
-    for t in douts:
-        out.append(t.detach())  # (an enclosing region's tape records it: its replay makes it)
-        if t.numel() and t.layout == torch.strided and not is_view(t):
-            with quiet(), DisableFuncTorch():  # (bookkeeping, no op of any region)
-                one = torch.empty(1, dtype=t.dtype, device=t.device)
-                t.set_(one.untyped_storage(), 0, t.shape, (0,) * t.dim())
-            storage_released(t)  # (for LiveBytes, which no set_ reaches)
-    return tuple(out)
-
-
-def _from_graph(spec: _RegionState, tensors, wrt, grads) -> tuple:
-    """Backward through the forward level's graph: its saved tensors come back from the
-    tape's replay, so the function does not run again (its Python side effects happen
-    once).  Only where nothing outside differentiates this backward: no other grad level
-    (see _can_drop_graph) and no forward-mode level (``hessian``: the replayed values
-    carry no tangents)."""
-    cot = [torch.zeros(m[0], dtype=m[1], device=m[2]) for m in spec.dmeta]
-    for g, p in zip(grads, spec.dpos):
-        if g is not None and p is not None:
-            cot[p] = g
-    start = time.perf_counter()
-    spec.frame.consumed = set()  # (a new backward pass through the graph)
-    with torch.no_grad():
-        gin = spec.graph(tuple(cot))
-    if spec.prof is not None:
-        spec.prof.record_recompute(spec.name, time.perf_counter() - start)
-    result: list[Any] = [None] * (len(tensors) + 1)
-    where = {i: k for k, i in enumerate(spec.wrt)}
-    for i in wrt:
-        k = where.get(i)
-        if k is not None:
-            result[i + 1] = gin[k]
-    return tuple(result)
-
-
-def _note_storage(found: dict[int, int], t: torch.Tensor) -> None:
-    try:
-        st = unwrap_all(t).untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return
-    found.setdefault(st.data_ptr(), st.nbytes())
 
 
 def _input_views(outs, tensors) -> dict[int, tuple]:
@@ -617,35 +505,6 @@ def _checked(spec: _RegionState, outs):
             "static_argnums/static_argnames), not on global state."
         )
     return outs
-
-
-def _can_drop_graph(saved, grads) -> bool:
-    """True when nothing outside this backward can differentiate its result.
-
-    The backward being run belongs to one grad level: a dead one when it is a
-    ``vjp``/``jacrev`` ``vjp_fn`` called after its level exited, otherwise the
-    innermost live grad level wrapping the saved tensors.  Any *other* live
-    grad or jvp level wrapping the saved tensors or the cotangents, or a base
-    tensor that requires grad (eager autograd outside), may differentiate the
-    result, so the graph must be kept.
-    """
-    if not torch.is_grad_enabled():
-        return False  # already not recording; nothing to gain
-    live = live_levels()
-    wrappers = []
-    for t in (*saved, *grads):
-        if isinstance(t, torch.Tensor):
-            ws, base = grad_wrappers(t)
-            if base.requires_grad:
-                return False
-            wrappers.extend(ws)
-    if not wrappers:
-        return False
-    alive = [lv for lv, dead in wrappers if not dead and is_grad_kind(live.get(lv))]
-    if any(dead for _, dead in wrappers):
-        return not alive
-    this = max(lv for lv, _ in wrappers)
-    return all(lv == this for lv in alive)
 
 
 def _distinct(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:

@@ -1,0 +1,191 @@
+"""Backward from the forward level's own graph, on the ``torch.func`` path.
+
+The region's forward runs under a ``vjp`` level of its own (see
+:mod:`remat_fn._path_torch_func`).  Where backward can, it differentiates that
+level's graph instead of running the function again: what the graph saves is a
+handle of the hooks path's :class:`~remat_fn._path_hooks.Frame` (:class:`KeepHandles`),
+which the tape replays below every functorch transform (:class:`Unpack`), so the
+function's Python runs once, as in eager mode.  The graph's outputs are private
+aliases whose memory the Function's outputs take (:func:`release_outputs`).
+:func:`can_drop_graph` tells where nothing outside differentiates a backward;
+:func:`saved_storages` what a graph saved, where no hook can tell.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ._func_semantics import ForwardHook
+from ._functorch import grad_wrappers, is_grad_kind, live_levels, unwrap_all
+from ._offload_buffers import quiet
+from ._torch_internals import DisableFuncTorch, is_view, saved_tensor_attrs
+from .memory import storage_released
+
+__all__ = ["KeepHandles", "Unpack", "alias_output", "release_outputs", "from_graph", "note_storage",
+           "saved_storages", "can_drop_graph"]
+
+
+_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
+
+
+def saved_storages(outs) -> dict[int, int]:
+    """Storages (pointer -> bytes) of the tensors autograd saved in the graph behind ``outs``.
+
+    Saved-tensor hooks are refused under torch.func, so the graph the policy
+    forward built (under its vjp level) is walked instead: every node exposes
+    what it saved as ``_saved_*`` attributes.
+    """
+    found: dict[int, int] = {}
+    # Python node objects may be made afresh by each ``next_functions`` read and
+    # freed after use; holding them keeps their ids from being reused
+    seen: dict[int, Any] = {}
+    stack = [o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        names = _SAVED_ATTRS.get(type(node))
+        if names is None:
+            names = _SAVED_ATTRS[type(node)] = tuple(
+                saved_tensor_attrs(node))
+        for a in names:
+            try:
+                v = getattr(node, a)
+            except RuntimeError:  # released, or not a tensor slot
+                continue
+            for t in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(t, torch.Tensor):
+                    note_storage(found, t)
+        if hasattr(node, "saved_tensors"):  # custom autograd.Function nodes
+            try:
+                for t in node.saved_tensors:
+                    if isinstance(t, torch.Tensor):
+                        note_storage(found, t)
+            except RuntimeError:
+                pass
+        stack.extend(n for n, _ in node.next_functions)
+    return found
+
+
+class KeepHandles(ForwardHook):
+    """The pack hook of the forward's level when backward differentiates that level's
+    graph: what autograd saves becomes a handle of the hooks path's frame (the tape
+    replays it in backward), and its storage is noted (what plain autograd keeps)."""
+
+    __slots__ = ("frame", "noted")
+
+    def __init__(self, frame, noted):
+        self.frame = frame
+        self.noted = noted
+
+    def __call__(self, t):
+        note_storage(self.noted, t)
+        return self.frame.pack(unwrap_all(t))
+
+
+class Unpack:
+    """The unpack hook beside :class:`KeepHandles`: the tape replays plain values, which
+    do not depend on the transforms active in backward (a ``vmap`` over cotangents in
+    ``jacrev``): it runs below them, as the forward's ops did (a random op drawing the
+    forward's numbers is no random op under that vmap)."""
+
+    __slots__ = ("frame",)
+
+    def __init__(self, frame):
+        self.frame = frame
+
+    def __call__(self, h):
+        with DisableFuncTorch():
+            return self.frame.unpack(h)
+
+
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+
+
+def alias_output(t: torch.Tensor) -> torch.Tensor:
+    """A private alias of an output of the forward's level, differentiable, and no view
+    (a view would hold its base, the output itself): see release_outputs."""
+    return _UNSAFE_VIEW(t, t.shape) if t.layout == torch.strided else t
+
+
+def release_outputs(douts) -> tuple:
+    """The kept graph holds its level's outputs (private aliases, made in the forward's
+    ``f``), which autograd never reads: each gives its storage to a detached alias that
+    the Function returns (else its node, on what it returns, would hold itself) and
+    keeps a one-element stand-in of the same shape, so the graph holds no output's
+    memory (a region's output is freed when the caller lets it go, as in plain code)."""
+    out = []
+    for t in douts:
+        out.append(t.detach())  # (an enclosing region's tape records it: its replay makes it)
+        if t.numel() and t.layout == torch.strided and not is_view(t):
+            with quiet(), DisableFuncTorch():  # (bookkeeping, no op of any region)
+                one = torch.empty(1, dtype=t.dtype, device=t.device)
+                t.set_(one.untyped_storage(), 0, t.shape, (0,) * t.dim())
+            storage_released(t)  # (for LiveBytes, which no set_ reaches)
+    return tuple(out)
+
+
+def from_graph(spec, tensors, wrt, grads) -> tuple:
+    """Backward through the forward level's graph: its saved tensors come back from the
+    tape's replay, so the function does not run again (its Python side effects happen
+    once).  Only where nothing outside differentiates this backward: no other grad level
+    (see can_drop_graph) and no forward-mode level (``hessian``: the replayed values
+    carry no tangents)."""
+    cot = [torch.zeros(m[0], dtype=m[1], device=m[2]) for m in spec.dmeta]
+    for g, p in zip(grads, spec.dpos):
+        if g is not None and p is not None:
+            cot[p] = g
+    start = time.perf_counter()
+    spec.frame.consumed = set()  # (a new backward pass through the graph)
+    with torch.no_grad():
+        gin = spec.graph(tuple(cot))
+    if spec.prof is not None:
+        spec.prof.record_recompute(spec.name, time.perf_counter() - start)
+    result: list[Any] = [None] * (len(tensors) + 1)
+    where = {i: k for k, i in enumerate(spec.wrt)}
+    for i in wrt:
+        k = where.get(i)
+        if k is not None:
+            result[i + 1] = gin[k]
+    return tuple(result)
+
+
+def note_storage(found: dict[int, int], t: torch.Tensor) -> None:
+    try:
+        st = unwrap_all(t).untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return
+    found.setdefault(st.data_ptr(), st.nbytes())
+
+
+def can_drop_graph(saved, grads) -> bool:
+    """True when nothing outside this backward can differentiate its result.
+
+    The backward being run belongs to one grad level: a dead one when it is a
+    ``vjp``/``jacrev`` ``vjp_fn`` called after its level exited, otherwise the
+    innermost live grad level wrapping the saved tensors.  Any *other* live
+    grad or jvp level wrapping the saved tensors or the cotangents, or a base
+    tensor that requires grad (eager autograd outside), may differentiate the
+    result, so the graph must be kept.
+    """
+    if not torch.is_grad_enabled():
+        return False  # already not recording; nothing to gain
+    live = live_levels()
+    wrappers = []
+    for t in (*saved, *grads):
+        if isinstance(t, torch.Tensor):
+            ws, base = grad_wrappers(t)
+            if base.requires_grad:
+                return False
+            wrappers.extend(ws)
+    if not wrappers:
+        return False
+    alive = [lv for lv, dead in wrappers if not dead and is_grad_kind(live.get(lv))]
+    if any(dead for _, dead in wrappers):
+        return not alive
+    this = max(lv for lv, _ in wrappers)
+    return all(lv == this for lv in alive)
