@@ -218,7 +218,6 @@ class _RematFunction(torch.autograd.Function):
             hooks = None
             if frame is not None:  # the level's graph is kept, its saved tensors as tape handles
                 hooks = (KeepHandles(frame, noted), Unpack(frame))
-                frame.input_ids = {id(t) for t in tensors}
 
             def note(t):  # a tensor autograd saves: backward needs its value
                 note_storage(noted, t)
@@ -355,15 +354,14 @@ class _RematFunction(torch.autograd.Function):
         out_diff = ctx.out_diff
         detach = can_drop_graph(ctx.saved_tensors, grads)
         grads = tuple(unwrap_if_dead(g) if g is not None else None for g in grads)
+        # (grad mode off: nothing records this backward; a forward-mode level would, see from_graph)
+        if (detach or not torch.is_grad_enabled()) and spec.graph is not None and not forward_mode_active():
+            return from_graph(spec, tensors, wrt, grads)
         cot = tuple(
             g if g is not None else torch.zeros(m[0], dtype=m[1], device=m[2])
             for g, m, d in zip(grads, spec.out_meta, out_diff)
             if d
         )
-
-        # (grad mode off: nothing records this backward; a forward-mode level would, see from_graph)
-        if (detach or not torch.is_grad_enabled()) and spec.graph is not None and not forward_mode_active():
-            return from_graph(spec, tensors, wrt, grads)
         f = _recompute_fn(spec, tensors, wrt, out_diff)
         # Ops whose results backward does not need are skipped (see Tape.plan) when
         # nothing outside differentiates this backward; otherwise all run.
