@@ -31,13 +31,17 @@ from ._torch_internals import TorchDispatchMode
 
 __all__ = ["CaptureMode", "MissedCapture", "note_region_inputs", "note_region_outputs"]
 
-_recording = threading.local()  # the active CaptureModes, innermost last
+class _Recording(threading.local):
+    stack: tuple | list = ()  # the active CaptureModes, innermost last
+
+
+_recording = _Recording()
 
 
 def note_region_inputs(tensors) -> None:
     """A region nested in a forward keeps these tensors (its inputs) for its
     backward: they are alive after the enclosing forward without having left it."""
-    for mode in getattr(_recording, "stack", ()):
+    for mode in _recording.stack:
         if mode.made is not None:
             mode.held.update(id(t) for t in tensors)
 
@@ -46,7 +50,7 @@ def note_region_outputs(tensors) -> None:
     """A nested region returned these tensors: for the enclosing region's
     :class:`CaptureMode` the call is one torch call that made them (no torch
     function sees the ``autograd.Function`` that produced them)."""
-    stack = getattr(_recording, "stack", ())
+    stack = _recording.stack
     if stack:
         stack[-1].region_call(tensors)
 
@@ -153,7 +157,9 @@ class CaptureMode(TorchFunctionMode):
     def __enter__(self):
         if self._recorder is not None:
             self._recorder.__enter__()
-        _recording.__dict__.setdefault("stack", []).append(self)
+        if not _recording.stack:
+            _recording.stack = []
+        _recording.stack.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):

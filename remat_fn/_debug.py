@@ -23,7 +23,11 @@ from ._torch_internals import TorchDispatchMode
 
 __all__ = ["OpTrace", "CallTrace", "format_traces", "set_debug_enabled", "early_stop", "checks"]
 
-_state = threading.local()
+class _State(threading.local):
+    early_stop = True
+
+
+_state = _State()
 _debug_global: list[bool | None] = [None]
 
 
@@ -52,7 +56,7 @@ def set_debug_enabled(enabled: bool | None):
 def early_stop(enabled: bool):
     """Internal (used by :mod:`remat_fn.compat`): regions called in the block stop
     their recomputation early (``True``) or run it whole and check it strictly."""
-    prev = getattr(_state, "early_stop", True)
+    prev = _state.early_stop
     _state.early_stop = bool(enabled)
     try:
         yield
@@ -64,7 +68,7 @@ def checks(debug: bool) -> tuple[bool, bool]:
     """``(debug, strict)`` for a region called now with ``debug=debug``."""
     g = _debug_global[0]
     debug = g if g is not None else bool(debug)
-    return debug, debug or not getattr(_state, "early_stop", True)
+    return debug, debug or not _state.early_stop
 
 
 class OpTrace(TorchDispatchMode):

@@ -119,7 +119,7 @@ def forward_mode_active() -> bool:
     """
     if forward_ad_level() >= 0:
         return True
-    return any(i.key() == _JVP for i in transform_stack())
+    return functorch_active() and any(i.key() == _JVP for i in transform_stack())
 
 
 def nested_forward_mode() -> bool:

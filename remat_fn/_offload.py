@@ -48,7 +48,12 @@ __all__ = ["Offloader", "Stored", "Pool", "Arena", "POOL", "Meter", "stats", "re
            "remove_meter", "input_offloads", "hooks_for_inputs", "requesting", "take_request", "tag_name", "hint",
            "meta_args", "unaliased", "report_inputs", "FuncInputs"]
 
-_local = threading.local()
+class _Local(threading.local):
+    tail: Any = None
+    request: Any = None
+
+
+_local = _Local()
 _no_torch_function = DisableTorchFunction
 _set_version = set_version_counter  # NOTE [version counters]
 
@@ -175,7 +180,7 @@ class Offloader:
             m.add(s.dst, nbytes)
         weakref.finalize(s, _release, block, s.dst, nbytes, ms)
         if not self.stored:
-            tail = getattr(_local, "tail", None)
+            tail = _local.tail
             self.prev = tail
             _local.tail = weakref.ref(self)
         self.stored.append(weakref.ref(s))
@@ -400,7 +405,7 @@ def hooks_for_inputs(offloads: dict[int, Offload], offloader: Offloader):
 
 @contextlib.contextmanager
 def _request(d: Offload | None, offloader: Offloader):
-    prev = getattr(_local, "request", None)
+    prev = _local.request
     _local.request = None if d is None else (d, offloader)
     try:
         yield
@@ -423,7 +428,7 @@ def requesting(outer, offloads: dict[int, Offload], offloader: Offloader):
 
 def take_request():
     """The offload requested for the tensor being packed, as ``put(t) -> Stored``, or None."""
-    r = getattr(_local, "request", None)
+    r = _local.request
     if r is None:
         return None
     _local.request = None

@@ -268,8 +268,8 @@ class Frame:
             run, _, _ = tape.plan([values[target], *self.deps], lambda v: False)
         else:
             used = self.consumed or ()
-            live = [i for i, w in enumerate(self.handles)
-                    if w() is not None and i in values and (i not in used or i == asked)]
+            handles = self.handles
+            live = [i for i in values if handles[i]() is not None and (i not in used or i == asked)]
             if len(live) == len(values):
                 run = self.run
             else:
@@ -435,8 +435,7 @@ def run_with_hooks(call: RegionCall) -> Any:
         frame.prof, frame.prof_saved, start = prof, [], time.perf_counter()
     outer = _top_hooks(False)
     frame.outer = outer
-    leaves = optree.tree_leaves((args, kwargs), none_is_leaf=True)
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    leaves, tensors = _input_tensors(args, kwargs)
     in_versions = [(x, version_of(x)) for x in tensors]
     frame.input_ids = {id(x) for x in tensors}
     fwd_mode = forward_mode_active()
@@ -516,6 +515,22 @@ def run_with_hooks(call: RegionCall) -> Any:
     if prof is not None:
         _report(frame, prof, start, in_versions)
     return out
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _input_tensors(args: tuple, kwargs: dict) -> tuple:
+    """(the leaves of ``(args, kwargs)``, the tensors among them); without the pytree
+    walk when the arguments are plain tensors (most calls)."""
+    if not kwargs:
+        for x in args:
+            if type(x) not in _PLAIN:
+                break
+        else:
+            return args, list(args)
+    leaves = optree.tree_leaves((args, kwargs), none_is_leaf=True)
+    return leaves, [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
 def finish_tape(frame: Frame, tensors, out, outer) -> None:

@@ -31,7 +31,11 @@ from ._functorch import unwrap_all
 
 __all__ = ["profile", "Profile", "RegionStats", "active", "storage_bytes", "timer"]
 
-_local = threading.local()
+class _Local(threading.local):
+    stack: list | None = None
+
+
+_local = _Local()
 
 
 @dataclasses.dataclass
@@ -122,14 +126,16 @@ class Profile:
         return self.table()
 
     def __enter__(self) -> Profile:
-        stack = getattr(_local, "stack", None)
+        stack = _local.stack
         if stack is None:
             stack = _local.stack = []
         stack.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        _local.stack.remove(self)
+        stack = _local.stack
+        assert stack is not None  # (entered)
+        stack.remove(self)
 
 
 def profile() -> Profile:
@@ -145,7 +151,7 @@ def profile() -> Profile:
 
 def active() -> Profile | None:
     """The innermost active profile of this thread, or None (cheap to ask)."""
-    stack = getattr(_local, "stack", None)
+    stack = _local.stack
     return stack[-1] if stack else None
 
 

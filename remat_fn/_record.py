@@ -35,7 +35,11 @@ from .policies import NAMED, Offload, PolicyContext, decide
 
 __all__ = ["Record", "SaveMode", "saving", "paused", "checkpoint_name", "Diverged"]
 
-_local = threading.local()
+class _Local(threading.local):
+    stack: list | None = None
+
+
+_local = _Local()
 _no_torch_function = DisableTorchFunction
 _DETACH = torch.ops.aten.detach.default
 # in-place ops that change only a tensor's sizes and strides, not its data (matmul on
@@ -445,7 +449,7 @@ class SaveMode(TorchDispatchMode):
     and with a ``plan`` ops whose results nothing needs are not computed."""
 
     def __init__(self, rec: Record | None, recompute: bool, tape=None, plan=None):
-        super().__init__()
+        # (no super().__init__(): TorchDispatchMode.__enter__ creates its state lazily)
         self.rec = rec
         self.tape = tape
         self.recompute = recompute
@@ -462,7 +466,7 @@ class SaveMode(TorchDispatchMode):
     def __enter__(self):
         if self.around is not None:
             self.around.__enter__()
-        stack = getattr(_local, "stack", None)
+        stack = _local.stack
         if stack is None:
             stack = _local.stack = []
         stack.append(self)
@@ -605,7 +609,7 @@ def checkpoint_name(x: Any, name: str) -> Any:
         for t in optree.tree_leaves(x):
             if isinstance(t, torch.Tensor):
                 sink.append((_base(t), "named", name, None))
-    stack = getattr(_local, "stack", None)
+    stack = _local.stack
     if stack:
         mode = stack[-1]
         if not mode.recompute and mode.rec is not None and mode.rec.policy is not None:

@@ -17,7 +17,6 @@ RNG devices, a ``memory_budget`` plan), so a plain eager call pays for none.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
@@ -270,21 +269,33 @@ class RegionCall:
         return outs, rebuild
 
 
-_nesting = threading.local()
+class _Nesting(threading.local):
+    depth = 0
+
+
+_nesting = _Nesting()
 
 
 def region_depth() -> int:
     """How many remat regions this thread is inside of (see :func:`entered`)."""
-    return getattr(_nesting, "depth", 0)
+    return _nesting.depth
 
 
-@contextlib.contextmanager
-def entered():
+class _Entered:
+    __slots__ = ()
+
+    def __enter__(self):
+        _nesting.depth += 1
+
+    def __exit__(self, *exc):
+        _nesting.depth -= 1
+
+
+_ENTERED = _Entered()
+
+
+def entered() -> _Entered:
     """Mark a remat region's call: the op trace of an enclosing region treats the
     whole nested call as opaque (it may run plainly in one run and as a custom
     ``autograd.Function`` in the other)."""
-    _nesting.depth = region_depth() + 1
-    try:
-        yield
-    finally:
-        _nesting.depth -= 1
+    return _ENTERED

@@ -31,7 +31,11 @@ from ._torch_internals import TorchDispatchMode, schema
 
 __all__ = ["Residual", "saved_residuals", "print_saved_residuals", "residual_sink"]
 
-_local = threading.local()
+class _Local(threading.local):
+    sink: list | None = None
+
+
+_local = _Local()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +69,7 @@ _UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
 
 def residual_sink():
     """The active recorder's list, or None (used by regions to report offloads and names)."""
-    return getattr(_local, "sink", None)
+    return _local.sink
 
 
 class _Producers(TorchDispatchMode):
@@ -153,7 +157,7 @@ def saved_residuals(fun: Any, *args: Any, **kwargs: Any) -> list[Residual]:
         kept.append(t)
         return t
 
-    prev = getattr(_local, "sink", None)
+    prev = _local.sink
     _local.sink = sink
     prod = _Producers(closures)
     try:

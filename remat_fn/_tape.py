@@ -37,11 +37,12 @@ import torch
 
 from ._errors import RematError, mutated_outside
 from ._functorch import any_batched, unwrap_all
-from ._torch_internals import schema
+from ._torch_internals import any_autocast_enabled, schema
 from ._torch_internals import version as version_of
 
 __all__ = ["Tape", "Value", "Node"]
 
+_NULL = contextlib.nullcontext()
 _SEEDED = torch.Tag.nondeterministic_seeded
 _DYNAMIC = tuple(t for t in (getattr(torch.Tag, "dynamic_output_shape", None),
                              getattr(torch.Tag, "data_dependent_output", None)) if t is not None)
@@ -111,13 +112,13 @@ _INFO: dict[Any, tuple] = {}
 
 def _info(func) -> tuple:
     """(written positions, draws random numbers, is a view, output shape depends on data,
-    takes a storage)"""
-    i = _INFO.get(func)
+    takes a storage, the op)"""
+    i = _INFO.get(id(func))  # (by id: an op's own hash is Python code; the op is held below)
     if i is None:
         tags = func.tags
-        i = _INFO[func] = (_writes_of(func), _SEEDED in tags, func.is_view,
+        i = _INFO[id(func)] = (_writes_of(func), _SEEDED in tags, func.is_view,
                            any(t in tags for t in _DYNAMIC),
-                           any("Storage" in str(a.type) for a in schema(func).arguments))
+                           any("Storage" in str(a.type) for a in schema(func).arguments), func)
     return i
 
 
@@ -189,9 +190,11 @@ def _generator(func, args, kwargs):
 
 def _no_autocast():
     """The recorded ops are the ones autocast already chose: replay them as they are."""
+    if any_autocast_enabled is not None and not any_autocast_enabled():
+        return _NULL
     on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
     if not on:
-        return contextlib.nullcontext()
+        return _NULL
     st = contextlib.ExitStack()
     for d in on:
         st.enter_context(torch.autocast(d, enabled=False))
@@ -318,7 +321,7 @@ class Tape:
         self.nodes.append(node)
         reg = self.reg
         leaves = out if type(out) in _SEQ else (out,)
-        writes, _, view, dynamic, _ = _info(node.func)
+        writes, _, view, dynamic, _, _ = _info(node.func)
         if self.func_path:
             node.meta = (type(out) if type(out) in (tuple, list) else None,
                          [(t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else None
