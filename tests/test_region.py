@@ -95,7 +95,7 @@ def test_per_thread_state_starts_fresh_in_every_thread():
                 torch.testing.assert_close(grad(rf, argnums=1)(x, w), grad(f, argnums=1)(x, w))
             with remat_fn.profile() as prof:
                 rf(x.requires_grad_(), w).backward()
-            assert prof.regions["f"].calls == 1
+            assert [r.calls for r in prof.regions.values()] == [1], prof.regions
             assert region_depth() == 0
         except BaseException as e:  # reported by the main thread
             errors.append(e)
