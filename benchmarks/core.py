@@ -166,7 +166,7 @@ def md_overhead(r: dict) -> str:
         f"\n\nOverhead of a `remat` region under torch.func / in eager (2mm region, medians): "
         f"**{r['func_over_eager_overhead']:.2f}x**; remat / torch.utils.checkpoint overhead (tiny, eager): "
         f"**{r['remat_over_torch_overhead_eager']:.2f}x** (a do-nothing dispatch mode alone: "
-        f"{r.get('mode_over_torch_overhead_eager', float('nan')):.2f}x). Tiny = (x*2).sin() on 16 floats; 2mm = "
+        f"{r['mode_over_torch_overhead_eager']:.2f}x). Tiny = (x*2).sin() on 16 floats; 2mm = "
         "tanh(x @ w1) @ w2 on 64x64; one thread; rounds interleaved.")
 
 

@@ -31,6 +31,7 @@ from ._torch_internals import TorchDispatchMode
 
 __all__ = ["CaptureMode", "MissedCapture", "note_region_inputs", "note_region_outputs"]
 
+
 class _Recording(threading.local):
     stack: tuple | list = ()  # the active CaptureModes, innermost last
 

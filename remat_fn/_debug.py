@@ -23,6 +23,7 @@ from ._torch_internals import TorchDispatchMode
 
 __all__ = ["OpTrace", "CallTrace", "format_traces", "set_debug_enabled", "early_stop", "checks"]
 
+
 class _State(threading.local):
     early_stop = True
 

@@ -48,6 +48,7 @@ __all__ = ["Offloader", "Stored", "Pool", "Arena", "POOL", "Meter", "stats", "re
            "remove_meter", "input_offloads", "hooks_for_inputs", "requesting", "take_request", "tag_name", "hint",
            "meta_args", "unaliased", "report_inputs", "FuncInputs"]
 
+
 class _Local(threading.local):
     tail: Any = None
     request: Any = None

@@ -35,7 +35,7 @@ from ._record import Record, paused, saving
 from ._region import RegionCall
 from ._residuals import residual_sink
 from ._rng_state import RNGSnapshot
-from ._tape import Tape
+from ._tape import PLAIN, Tape
 from ._torch_internals import hooks_enabled
 from ._torch_internals import pop_hooks as _pop_hooks
 from ._torch_internals import push_hooks as _push_hooks
@@ -517,15 +517,12 @@ def run_with_hooks(call: RegionCall) -> Any:
     return out
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
 def _input_tensors(args: tuple, kwargs: dict) -> tuple:
     """(the leaves of ``(args, kwargs)``, the tensors among them); without the pytree
     walk when the arguments are plain tensors (most calls)."""
     if not kwargs:
         for x in args:
-            if type(x) not in _PLAIN:
+            if type(x) not in PLAIN:
                 break
         else:
             return args, list(args)

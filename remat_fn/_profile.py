@@ -31,6 +31,7 @@ from ._functorch import unwrap_all
 
 __all__ = ["profile", "Profile", "RegionStats", "active", "storage_bytes", "timer"]
 
+
 class _Local(threading.local):
     stack: list | None = None
 

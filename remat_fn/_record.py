@@ -35,6 +35,7 @@ from .policies import NAMED, Offload, PolicyContext, decide
 
 __all__ = ["Record", "SaveMode", "saving", "paused", "checkpoint_name", "Diverged"]
 
+
 class _Local(threading.local):
     stack: list | None = None
 

@@ -31,6 +31,7 @@ from ._torch_internals import TorchDispatchMode, schema
 
 __all__ = ["Residual", "saved_residuals", "print_saved_residuals", "residual_sink"]
 
+
 class _Local(threading.local):
     sink: list | None = None
 

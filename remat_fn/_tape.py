@@ -40,7 +40,7 @@ from ._functorch import any_batched, unwrap_all
 from ._torch_internals import any_autocast_enabled, schema
 from ._torch_internals import version as version_of
 
-__all__ = ["Tape", "Value", "Node"]
+__all__ = ["Tape", "Value", "Node", "PLAIN"]
 
 _NULL = contextlib.nullcontext()
 _SEEDED = torch.Tag.nondeterministic_seeded
@@ -117,8 +117,8 @@ def _info(func) -> tuple:
     if i is None:
         tags = func.tags
         i = _INFO[id(func)] = (_writes_of(func), _SEEDED in tags, func.is_view,
-                           any(t in tags for t in _DYNAMIC),
-                           any("Storage" in str(a.type) for a in schema(func).arguments), func)
+                               any(t in tags for t in _DYNAMIC),
+                               any("Storage" in str(a.type) for a in schema(func).arguments), func)
     return i
 
 
@@ -150,7 +150,8 @@ def written_tensors(func, args, kwargs) -> list:
     return out
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# tensors whose storage can be asked for (a subclass may have none)
+PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def arg_shapes(args, kwargs) -> tuple:
@@ -161,7 +162,7 @@ def arg_shapes(args, kwargs) -> tuple:
 
 
 def _ptr(t: torch.Tensor) -> int:
-    if type(t) not in _PLAIN:  # a subclass may have no storage (asking can abort the process)
+    if type(t) not in PLAIN:  # a subclass may have no storage (asking can abort the process)
         return 0
     try:
         st = t.untyped_storage()
