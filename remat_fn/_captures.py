@@ -128,7 +128,7 @@ class CaptureMode(TorchFunctionMode):
             return x
         tx = type(x)
         if tx is tuple or tx is list:
-            return tx(self._fix(v) for v in x)
+            return tx([self._fix(v) for v in x])
         if isinstance(x, tuple) and hasattr(tx, "n_fields"):  # torch.return_types
             return tx(tuple(self._fix(v) for v in x))
         if tx is dict:
@@ -196,12 +196,11 @@ class CaptureMode(TorchFunctionMode):
         return found
 
     def _made_tensors(self, out, args) -> list[tuple[int, torch.Tensor]]:
-        if isinstance(out, torch.Tensor):
-            leaves = [out]
-        elif isinstance(out, (tuple, list)):
-            leaves = [o for o in out if isinstance(o, torch.Tensor)]
-        else:
+        if isinstance(out, torch.Tensor):  # (most calls: one tensor, not an argument returned)
+            return [] if any(out is a for a in args) else [(0, out)]
+        if not isinstance(out, (tuple, list)):
             return []
+        leaves = [o for o in out if isinstance(o, torch.Tensor)]
         arg_ids = {id(a) for a in args if isinstance(a, torch.Tensor)}
         return [(i, t) for i, t in enumerate(leaves) if id(t) not in arg_ids]
 
@@ -213,8 +212,13 @@ class CaptureMode(TorchFunctionMode):
         self.calls += 1
 
     def _made(self, call, out, args) -> None:
-        if self.made is not None:
-            self.made.extend((call, i, weakref.ref(t)) for i, t in self._made_tensors(out, args)
+        made = self.made
+        if made is not None:
+            if isinstance(out, torch.Tensor):  # (most calls)
+                if carries_grad(out) and not any(out is a for a in args):
+                    made.append((call, 0, weakref.ref(out)))
+                return
+            made.extend((call, i, weakref.ref(t)) for i, t in self._made_tensors(out, args)
                              if carries_grad(t))
         elif self.grab is not None and call in self.grab:
             made = dict(self._made_tensors(out, args))
@@ -264,9 +268,17 @@ _IN_PLACE_DUNDERS = frozenset({
 _NOT_DATA = frozenset({"requires_grad_", "share_memory_", "retain_grad", "register_hook"})
 
 
+_IN_PLACE: dict[int, tuple[Any, bool]] = {}
+
+
 def _in_place(func) -> bool:
-    """True for the torch functions that write into their first argument."""
+    """True for the torch functions that write into their first argument (cached by
+    id, the function held with the answer so its id stays its own)."""
+    e = _IN_PLACE.get(id(func))
+    if e is not None:
+        return e[1]
     name = getattr(func, "__name__", "")
-    if name in _IN_PLACE_DUNDERS:
-        return True
-    return name.endswith("_") and not name.startswith("_") and name not in _NOT_DATA
+    w = name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.startswith("_") and name not in _NOT_DATA)
+    if len(_IN_PLACE) < 4096:
+        _IN_PLACE[id(func)] = (func, w)
+    return w

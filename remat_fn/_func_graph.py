@@ -13,6 +13,7 @@ aliases whose memory the Function's outputs take (:func:`release_outputs`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -21,13 +22,14 @@ import torch
 from ._func_semantics import ForwardHook
 from ._functorch import grad_wrappers, is_grad_kind, live_levels, unwrap_all
 from ._offload_buffers import quiet
-from ._torch_internals import DisableFuncTorch, is_view, saved_tensor_attrs
+from ._torch_internals import DisableFuncTorch, dispatch_stack_len, function_mode_enabled, is_view, saved_tensor_attrs
 from .memory import storage_released
 
 __all__ = ["KeepHandles", "Unpack", "alias_output", "release_outputs", "from_graph", "note_storage",
            "saved_storages", "can_drop_graph"]
 
 
+_NULL = contextlib.nullcontext()
 _SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
 
 
@@ -122,7 +124,8 @@ def release_outputs(douts) -> tuple:
     for t in douts:
         out.append(t.detach())  # (an enclosing region's tape records it: its replay makes it)
         if t.numel() and t.layout == torch.strided and not is_view(t):
-            with quiet(), DisableFuncTorch():  # (bookkeeping, no op of any region)
+            # (bookkeeping, no op of any region: modes stepped aside where there are any)
+            with quiet() if dispatch_stack_len() or function_mode_enabled() else _NULL, DisableFuncTorch():
                 one = torch.empty(1, dtype=t.dtype, device=t.device)
                 t.set_(one.untyped_storage(), 0, t.shape, (0,) * t.dim())
             storage_released(t)  # (for LiveBytes, which no set_ reaches)
@@ -135,10 +138,13 @@ def from_graph(spec, tensors, wrt, grads) -> tuple:
     once).  Only where nothing outside differentiates this backward: no other grad level
     (see can_drop_graph) and no forward-mode level (``hessian``: the replayed values
     carry no tangents)."""
-    cot = [torch.zeros(m[0], dtype=m[1], device=m[2]) for m in spec.dmeta]
+    cot: list = [None] * len(spec.dmeta)
     for g, p in zip(grads, spec.dpos):
         if g is not None and p is not None:
             cot[p] = g
+    for p, m in enumerate(spec.dmeta):  # (outputs no gradient reached: zeros)
+        if cot[p] is None:
+            cot[p] = torch.zeros(m[0], dtype=m[1], device=m[2])
     start = time.perf_counter()
     spec.frame.consumed = set()  # (a new backward pass through the graph)
     with torch.no_grad():

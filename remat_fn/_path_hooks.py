@@ -436,15 +436,17 @@ def run_with_hooks(call: RegionCall) -> Any:
     outer = _top_hooks(False)
     frame.outer = outer
     leaves, tensors = _input_tensors(args, kwargs)
-    in_versions = [(x, version_of(x)) for x in tensors]
     frame.input_ids = {id(x) for x in tensors}
     fwd_mode = forward_mode_active()
     if not frame.strict and not fwd_mode:
         # backward replays the recorded ops (random ones from the generator states
-        # recorded with them): no snapshot of the whole region needed
+        # recorded with them): no snapshot of the whole region needed, and the tape
+        # tells which inputs the region wrote
         frame.tape = Tape()
         snap = None
+        in_versions = [(x, 0) for x in tensors] if prof is not None else []
     else:
+        in_versions = [(x, version_of(x)) for x in tensors]
         snap = RNGSnapshot(call.rng_devices(tensors)) if preserve_rng_state else None
         frame.autocast = AutocastState()
     frame.rng = snap  # provisional: a backward inside the forward may recompute
