@@ -141,3 +141,34 @@ def test_compile_composes_with_torch_func():
         """
     )
     assert res == {"compile(grad)": True, "grad(compile)": True, "eager_after": True}, res
+
+
+def test_compiled_function_called_inside_an_eager_region():
+    # torch runs compiled code eagerly under a (non-infra) dispatch mode, which the
+    # region's recording is; the mode's own frames must never be traced by Dynamo
+    # (torch's wrapper around __torch_dispatch__ switches it off: a faster dispatch
+    # that skipped that wrapper made Dynamo compile the mode's frames, 3 of them)
+    res = _run(
+        """
+        from torch._dynamo.utils import counters
+        out = {}
+        for be in ["eager", "aot_eager"]:
+            for wrap in (False, True):
+                torch._dynamo.reset()
+                counters.clear()
+                calls = [0]
+                inner = torch.compile(lambda h: torch.relu(h @ w2), backend=be)
+
+                def f(x):
+                    calls[0] += 1
+                    return inner(torch.relu(x @ w1)).sin()
+
+                g = remat_fn.remat(f) if wrap else f
+                ok = close(torch.autograd.grad(g(x).sum(), (x, w1, w2)))
+                out[f"{be}-{wrap}"] = [ok, calls[0], counters["frames"]["total"]]
+        print(json.dumps(out))
+        """
+    )
+    for be in ("eager", "aot_eager"):
+        assert res[f"{be}-False"] == [True, 1, 1], res  # plain: the lambda is compiled
+        assert res[f"{be}-True"] == [True, 1, 0], res  # exact, the function ran once, nothing traced
