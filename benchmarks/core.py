@@ -5,9 +5,12 @@
     function ((x*2).sin() on 16 floats) in eager autograd, and two 64x64
     matmuls + tanh in eager autograd and under ``torch.func.grad``: plain,
     ``torch.utils.checkpoint``, ``remat_fn.compat.checkpoint``, ``remat_fn.remat``
-    and, under ``torch.func``, the design's floor (a bare ``autograd.Function``
-    whose backward recomputes with ``torch.func.vjp``).  Overheads are per-round
-    differences to plain, reported as median (min-max).
+    and, under ``torch.func``, the floor (a bare ``autograd.Function`` whose
+    backward recomputes with ``torch.func.vjp``) and remat's design floor (the
+    forward under a ``vjp`` level of its own, backward its ``vjp_fn``; nothing
+    recorded, replayed or threaded); in eager mode, a dispatch mode that does
+    nothing.  Overheads are per-round differences to plain, reported as median
+    (min-max).
 ``step``
     A full-remat training step of a 6-block pre-LN MLP stack against its
     physical limit, the plain step plus one extra forward with grad enabled
@@ -27,6 +30,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import torch
 from torch.func import functional_call, grad, grad_and_value, vmap
@@ -80,6 +84,26 @@ class _Floor(torch.autograd.Function):
     def backward(ctx, g):
         _, fn = torch.func.vjp(ctx.f, *ctx.saved_tensors)
         return (None, *fn(g))
+
+
+class _ForwardVjp(torch.autograd.Function):
+    """remat's torch.func design with nothing else: the forward runs under a vjp level
+    of its own and backward calls that level's vjp_fn (no recording, captures, replay;
+    it keeps the whole graph, so a time floor only)."""
+
+    @staticmethod
+    def forward(box, f, x, a, b):
+        with torch.enable_grad():
+            out, box.vjp_fn = torch.func.vjp(f, x, a, b)
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.box = inputs[0]
+
+    @staticmethod
+    def backward(ctx, g):
+        return (None, None, *ctx.box.vjp_fn(g))
 
 
 class _BareMode(TorchDispatchMode):
@@ -138,6 +162,8 @@ def _overhead(quick: bool) -> dict:
         "2mm torch.func compat.checkpoint": lambda: func(lambda *a: compat_checkpoint(f, *a)),
         "2mm torch.func remat": lambda: func(rf),
         "2mm torch.func floor (bare Function + vjp)": lambda: func(lambda *a: _Floor.apply(f, *a)),
+        "2mm torch.func design floor (forward under vjp, backward its vjp_fn)":
+            lambda: func(lambda *a: _ForwardVjp.apply(types.SimpleNamespace(), f, *a)),
     }
     s = interleaved(fns, repeats=repeats, inner=inner, warmup=20)
     rows = {k: spread(v).scaled(1e6) for k, v in s.items()}
@@ -152,7 +178,11 @@ def _overhead(quick: bool) -> dict:
            "remat_over_torch_overhead_eager": over["tiny eager remat"].median
            / over["tiny eager torch.utils.checkpoint"].median,
            "mode_over_torch_overhead_eager": over["tiny eager floor (do-nothing dispatch mode)"].median
-           / over["tiny eager torch.utils.checkpoint"].median}
+           / over["tiny eager torch.utils.checkpoint"].median,
+           "remat_over_floor_overhead_func": fu.median / over["2mm torch.func floor (bare Function + vjp)"].median,
+           "design_over_floor_overhead_func":
+               over["2mm torch.func design floor (forward under vjp, backward its vjp_fn)"].median
+               / over["2mm torch.func floor (bare Function + vjp)"].median}
     return res
 
 
@@ -166,7 +196,9 @@ def md_overhead(r: dict) -> str:
         f"\n\nOverhead of a `remat` region under torch.func / in eager (2mm region, medians): "
         f"**{r['func_over_eager_overhead']:.2f}x**; remat / torch.utils.checkpoint overhead (tiny, eager): "
         f"**{r['remat_over_torch_overhead_eager']:.2f}x** (a do-nothing dispatch mode alone: "
-        f"{r['mode_over_torch_overhead_eager']:.2f}x). Tiny = (x*2).sin() on 16 floats; 2mm = "
+        f"{r['mode_over_torch_overhead_eager']:.2f}x); remat / the bare Function floor (2mm, torch.func): "
+        f"**{r['remat_over_floor_overhead_func']:.2f}x** (the design floor alone: "
+        f"{r['design_over_floor_overhead_func']:.2f}x). Tiny = (x*2).sin() on 16 floats; 2mm = "
         "tanh(x @ w1) @ w2 on 64x64; one thread; rounds interleaved.")
 
 
