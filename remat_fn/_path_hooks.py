@@ -444,7 +444,7 @@ def run_with_hooks(call: RegionCall) -> Any:
         # tells which inputs the region wrote
         frame.tape = Tape()
         snap = None
-        in_versions = [(x, 0) for x in tensors] if prof is not None else []
+        in_versions = []
     else:
         in_versions = [(x, version_of(x)) for x in tensors]
         snap = RNGSnapshot(call.rng_devices(tensors)) if preserve_rng_state else None
@@ -515,7 +515,7 @@ def run_with_hooks(call: RegionCall) -> Any:
     if snap is not None and snap.finish():
         frame.rng = snap
     if prof is not None:
-        _report(frame, prof, start, in_versions)
+        _report(frame, prof, start, tensors)
     return out
 
 
@@ -588,13 +588,13 @@ def _finish_record(rec: Record, tensors, offl, out, outer, tape=None, roots=()) 
         rec.seal(optree.tree_leaves(out))
 
 
-def _report(frame: Frame, prof, start: float, in_versions) -> None:
+def _report(frame: Frame, prof, start: float, inputs) -> None:
     """One call for remat_fn.profile(): time, bytes kept, bytes plain autograd keeps."""
     seconds = time.perf_counter() - start
     saved, frame.prof_saved = frame.prof_saved, None
     kept = [t for t, direct in saved if direct]  # what autograd holds as is (see Frame.pack)
     if frame.nhandles:  # the region may be recomputed: it holds its inputs (or their offloaded copies)
-        kept += [x for x, _ in in_versions if id(x) not in frame.offload_ids]
+        kept += [x for x in inputs if id(x) not in frame.offload_ids]
     offloaded = None
     if frame.rec is not None:
         kept += [t for _, _, t, kind, _ in frame.rec.kept() if kind == "saved"]
