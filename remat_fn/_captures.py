@@ -25,9 +25,19 @@ from torch.overrides import TorchFunctionMode
 from ._debug import CallTrace
 from ._describe import describe
 from ._errors import mutated_input
-from ._functorch import carries_grad, is_wrapped, needs_grad, storage_ptr, unwrap_one
+from ._functorch import (
+    any_batched,
+    carries_grad,
+    from_lowered_level,
+    is_wrapped,
+    needs_grad,
+    requires_grad_anywhere,
+    storage_ptr,
+    unwrap_all,
+    unwrap_one,
+)
 from ._region import region_depth
-from ._torch_internals import TorchDispatchMode
+from ._torch_internals import DisableFuncTorch, TorchDispatchMode
 
 __all__ = ["CaptureMode", "MissedCapture", "note_region_inputs", "note_region_outputs"]
 
@@ -228,12 +238,16 @@ class CaptureMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         args = self._fix(args)
         kwargs = self._fix(kwargs) if kwargs else {}
+        out = None
         if args and _in_place(func) and isinstance(a0 := args[0], torch.Tensor):
             inputs = self.inputs
             if ((inputs is not None and id(a0) in inputs)
                     or (self.input_storages and storage_ptr(a0) in self.input_storages)):
                 raise mutated_input(self.name, a0)
-        out = func(*args, **kwargs)
+            if from_lowered_level(a0) and not _carry_grad(args, kwargs):
+                out = _write_below(func, a0, args, kwargs)
+        if out is None:
+            out = func(*args, **kwargs)
         if self.known is not None:
             self._note(out)
         if region_depth() == self.depth:
@@ -243,6 +257,34 @@ class CaptureMode(TorchFunctionMode):
             if self.trace is not None:
                 self.trace.step(func, out, self.known is None, self.name)
         return out
+
+
+def _carry_grad(args, kwargs) -> bool:
+    """True if a tensor among the arguments requires grad at some level (or is batched
+    by a ``vmap``: its plain tensor holds every batch entry)."""
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (tuple, list)) else (a,)):
+            if isinstance(t, torch.Tensor) and (requires_grad_anywhere(t) or any_batched(t)):
+                return True
+    return False
+
+
+def _write_below(func, a0: torch.Tensor, args, kwargs) -> torch.Tensor:
+    """An in-place write that carries no gradient into a tensor wrapped at a level set
+    aside (``num_batches_tracked.add_(1)`` of a BatchNorm under ``grad`` of ``grad``),
+    done on the plain tensors below every wrapper: plain code writes it at that level,
+    where the wrapper and the tensor below share their memory, so the result is the
+    same; functorch would refuse the write from the region's own level."""
+    def plain(a):
+        if isinstance(a, torch.Tensor):
+            return unwrap_all(a)
+        if isinstance(a, (tuple, list)):
+            return type(a)(plain(e) for e in a)
+        return a
+
+    with DisableFuncTorch():
+        func(*[plain(a) for a in args], **{k: plain(v) for k, v in kwargs.items()})
+    return a0
 
 
 class _Produced(TorchDispatchMode):

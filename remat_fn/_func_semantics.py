@@ -15,6 +15,8 @@ function and its caller what plain code would:
   compute later on untracked tensors: refused.
 * :func:`random_in_vmap`: a recomputation drawing random numbers inside a vmap
   that forbids it: a clear error.
+* :func:`distinct_inputs`: a tensor passed twice is one input of the Function, so
+  the function sees ``a is b`` as plain code does.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from ._torch_internals import push_hooks as _push_hooks
 from ._torch_internals import top_hooks as _top_hooks
 
 __all__ = ["ForwardHook", "NeedsGraph", "keep_nothing", "hooks_aside", "random_in_vmap", "connect_side_outputs", "check_unsure",
-           "check_lazy_outputs"]
+           "check_lazy_outputs", "distinct_inputs"]
 
 
 
@@ -191,3 +193,19 @@ def check_lazy_outputs(spec, result) -> None:
             "results would get no gradient. Fix: compute the values inside the function and "
             "return the tensors (e.g. return list(gen) or fn())."
         )
+
+
+def distinct_inputs(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """The distinct tensors among ``tensors`` (by identity) and, per position,
+    its index among them: a tensor passed twice is one input of the Function,
+    so the function sees ``a is b`` as plain code does."""
+    index: dict[int, int] = {}
+    distinct: list[torch.Tensor] = []
+    expand = []
+    for t in tensors:
+        k = index.get(id(t))
+        if k is None:
+            k = index[id(t)] = len(distinct)
+            distinct.append(t)
+        expand.append(k)
+    return distinct, expand

@@ -18,7 +18,8 @@ __all__ = [
     "C", "transforms_active", "transform_stack", "transform_kinds", "is_wrapped", "unwrap_one",
     "unwrap_all",
     "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead",
-    "forward_mode_active", "nested_forward_mode", "carries_grad", "any_batched",
+    "forward_mode_active", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
+    "requires_grad_anywhere",
 ]
 
 C = functorch  # the C++ functorch bindings (checked in remat_fn._torch_internals)
@@ -57,8 +58,12 @@ def storage_ptr(t: torch.Tensor) -> int | None:
         return None
 
 
-def needs_grad(t: torch.Tensor) -> bool:
-    """True if some autograd level (functorch or eager) may want ``t``'s gradient."""
+def needs_grad(t: torch.Tensor, levels: dict | None = None) -> bool:
+    """True if some autograd level (functorch or eager) may want ``t``'s gradient.
+
+    ``levels``: the transforms (``level -> kind``, see :func:`live_levels`) active
+    where the region was called; inside a custom ``autograd.Function``'s forward
+    torch sets those levels aside, and their wrappers are judged by them."""
     if not (t.is_floating_point() or t.is_complex()):
         return False
     t = C.unwrap_if_dead(t)  # left over from a transform that has exited
@@ -72,7 +77,7 @@ def needs_grad(t: torch.Tensor) -> bool:
             # functional_call, a constant) is a constant to it.  A forward-mode
             # level's wrapper may carry a tangent.
             if kinds is None:
-                kinds = live_levels()
+                kinds = live_levels() if levels is None else {**live_levels(), **levels}
             if kinds.get(C.maybe_get_level(t)) != _GRAD:
                 return True
         t = C.get_unwrapped(t)
@@ -141,3 +146,25 @@ def carries_grad(t: torch.Tensor) -> bool:
     a ``grad_fn`` carries none.
     """
     return t.requires_grad and (t.grad_fn is not None or not is_view(t))
+
+
+def from_lowered_level(t: torch.Tensor) -> bool:
+    """True for a live grad-tracking wrapper (no ``vmap`` level below it) of a level that is not the innermost one now: a
+    transform's level set aside while a custom ``autograd.Function``'s forward runs
+    below it (``grad`` of ``grad``: the region's forward runs under a level of its own
+    below both grads, so the buffers ``functional_call`` passed are wrapped at levels
+    functorch now counts as captured)."""
+    if not C.is_gradtrackingtensor(t) or C.is_dead_tensor_wrapper(t) or any_batched(t):
+        return False
+    stack = C.get_interpreter_stack()
+    return not stack or C.maybe_get_level(t) != stack[-1].level()
+
+
+def requires_grad_anywhere(t: torch.Tensor) -> bool:
+    """True if ``t`` or any functorch wrapper between it and the plain tensor requires grad."""
+    while True:
+        if t.requires_grad:
+            return True
+        if not C.is_functorch_wrapped_tensor(t):
+            return False
+        t = C.get_unwrapped(t)

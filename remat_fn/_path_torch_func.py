@@ -50,6 +50,7 @@ from ._func_semantics import (
     check_lazy_outputs,
     check_unsure,
     connect_side_outputs,
+    distinct_inputs,
     hooks_aside,
     keep_nothing,
     random_in_vmap,
@@ -59,7 +60,9 @@ from ._functorch import (
     carries_grad,
     forward_mode_active,
     is_wrapped,
+    live_levels,
     needs_grad,
+    requires_grad_anywhere,
     storage_ptr,
     unwrap_all,
     unwrap_if_dead,
@@ -89,7 +92,8 @@ class _RegionState:
     __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "reach",
                  "fwd_hits", "rec", "needs", "trace", "views", "autocast", "produced", "prof",
                  "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
-                 "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt")
+                 "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
+                 "levels")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -135,6 +139,7 @@ class _RegionState:
         self.dmeta: list = []
         self.dpos: list = []
         self.wrt: list[int] = []
+        self.levels: dict | None = None  # the transforms active at the call (see needs_grad)
 
     def call(self, tensors, known: set[int] | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
@@ -171,8 +176,8 @@ class _RegionState:
             )
         outs = outs + tuple(mode.grabbed[(c, i)] for c, ii in self.escapes.items() for i in ii)
         out = (outs, rebuild)
-        if not self.fwd_hits <= mode.hits:
-            lost = [o for o in self.captured if id(o) in self.fwd_hits - mode.hits]
+        lost = [o for o in self.captured if id(o) in self.fwd_hits - mode.hits and not self._copied_constant(o)]
+        if lost:
             raise RematError(
                 f"remat({self.name}): the recomputation did not use the tensor "
                 f"{describe(lost[0])} that the forward used and that needs a gradient; its "
@@ -181,6 +186,14 @@ class _RegionState:
                 "argument instead of reaching it through an attribute."
             )
         return out
+
+    def _copied_constant(self, t) -> bool:
+        """True for a tensor the forward wrote in place (the re-run reads its private
+        copy, not the Function's input) that no transform active at the call
+        differentiates: a BatchNorm's running statistics under ``grad`` of ``grad``, which
+        the forward threaded because their levels were set aside there."""
+        return (storage_ptr(t) in self.written and not requires_grad_anywhere(t)
+                and not needs_grad(t, self.levels))
 
 
 def _is_diff(t: torch.Tensor) -> bool:
@@ -257,6 +270,7 @@ class _RematFunction(torch.autograd.Function):
                 spec.dmeta = [_meta(t) for t in douts]
             del vjp_fn  # without a frame, the level's graph: what it saved dies here
             spec.written = tape.pre_write
+            tape.written_storages = []  # (only a retry of this forward puts them back)
             rebuild, mask, saved, pos, refs = box.pop()
             if refs:  # side outputs are swapped into the caller's objects, which that graph
                 spec.graph = None  # holds as its outputs: backward re-runs the function
@@ -421,6 +435,15 @@ def _plan(spec: _RegionState, roots, inputs) -> None:
     spec.plan = set(run)
 
 
+def _undo(spec: _RegionState, snap: RNGSnapshot | None) -> None:
+    """Before the forward runs again: the generators and the buffers it wrote as they
+    were (a retry must not update a BatchNorm's statistics twice)."""
+    if snap is not None:
+        snap.restore_now()
+    if spec.tape is not None:
+        spec.tape.undo_writes()
+
+
 def _input_views(outs, tensors) -> dict[int, tuple]:
     """The outputs that are plain views of an input: ``{i: (j, size, stride, offset)}``.
 
@@ -505,29 +528,13 @@ def _checked(spec: _RegionState, outs):
     return outs
 
 
-def _distinct(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
-    """The distinct tensors among ``tensors`` (by identity) and, per position,
-    its index among them: a tensor passed twice is one input of the Function,
-    so the function sees ``a is b`` as plain code does."""
-    index: dict[int, int] = {}
-    distinct: list[torch.Tensor] = []
-    expand = []
-    for t in tensors:
-        k = index.get(id(t))
-        if k is None:
-            k = index[id(t)] = len(distinct)
-            distinct.append(t)
-        expand.append(k)
-    return distinct, expand
-
-
 def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     """Run the region as a custom ``autograd.Function`` (under ``torch.func``, or
     wherever saved-tensor hooks cannot be used); returns its output pytree.
     ``calls_torch_func``: the function is known to call a ``torch.func``
     transform itself (see :func:`keep_nothing`)."""
     call.check_static()
-    inputs, expand = _distinct(call.inputs)
+    inputs, expand = distinct_inputs(call.inputs)
     name, debug = call.name, call.debug
     reach = reachable_tensors(call.reach_roots())
     captured = reach.captured({id(t) for t in inputs})
@@ -543,6 +550,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     keep_graph = calls_torch_func
     top = top_hooks(False)
     nested = top is not None and isinstance(top[0], ForwardHook)
+    levels = live_levels()  # (set aside inside the Function's forward: see needs_grad)
     for attempt in range(_MAX_RETRIES + 1):
         if attempt == _MAX_RETRIES:
             raise RematError(
@@ -554,6 +562,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         spec = _RegionState(call.run, len(inputs), captured, name, debug, reach, expand)
         spec.produced = produced
         spec.keep_graph = keep_graph
+        spec.levels = levels
         spec.rec = Record(policy)  # (without a policy: the op sequence, for the plan)
         if policy is not None:
             spec.offload = FuncInputs(input_offloads(policy, inputs))
@@ -578,13 +587,11 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         try:
             outs = _RematFunction.apply(spec, *inputs, *captured)
         except NeedsGraph:
-            if snap is not None:
-                snap.restore_now()
+            _undo(spec, snap)
             keep_graph = True
             continue
         except MissedCapture as e:
-            if snap is not None:
-                snap.restore_now()
+            _undo(spec, snap)
             if produced is None:
                 # The tensor may have been made inside the region where no torch
                 # function sees it (by autograd in a torch.func.grad the function

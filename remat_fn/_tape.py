@@ -222,6 +222,7 @@ class Tape:
         # torch.func path: storage -> a copy of it before the region first wrote into it
         # (the re-run writes into private copies: a buffer is updated once)
         self.pre_write: dict[int, Any] = {}
+        self.written_storages: list = []  # (storage, its copy): see undo_writes
 
     # -- forward -------------------------------------------------------------
     def lookup(self, t: torch.Tensor) -> Value:
@@ -299,7 +300,9 @@ class Tape:
                     self.written_outside.add(p)
                     self._snapshot(p)
                     if self.copies and p not in self.pre_write:
-                        self.pre_write[p] = t.untyped_storage().clone()
+                        st = t.untyped_storage()
+                        self.pre_write[p] = st.clone()
+                        self.written_storages.append((st, self.pre_write[p]))
         return node
 
     def record(self, func, key, args, kwargs):
@@ -460,6 +463,14 @@ class Tape:
                 n.flat = n.reads = ()
             else:
                 nodes[k] = None
+
+    def undo_writes(self) -> None:
+        """Put back what the forward wrote into outside storages (a buffer updated in
+        place), before that forward runs again (a retry on the torch.func path)."""
+        with torch.no_grad():
+            for st, before in reversed(self.written_storages):
+                st.copy_(before)
+        self.written_storages = []
 
     def restore_rng(self) -> None:
         """Put every generator the forward drew from back where it was before the first draw."""
