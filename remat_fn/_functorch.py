@@ -51,11 +51,13 @@ def unwrap_all(t: torch.Tensor) -> torch.Tensor:
 
 def storage_ptr(t: torch.Tensor) -> int | None:
     """The address of the storage behind ``t`` (below functorch wrappers); ``None``
-    for a tensor without one (sparse, a wrapper whose level is live)."""
+    for a tensor without one (sparse, a wrapper whose level is live) or with an empty one."""
     try:
-        return unwrap_all(t).untyped_storage().data_ptr()
+        st = unwrap_all(t).untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
+    # (every empty storage has data pointer 0: none of them is another's alias)
+    return st.data_ptr() if st.nbytes() else None
 
 
 def needs_grad(t: torch.Tensor, levels: dict | None = None) -> bool:

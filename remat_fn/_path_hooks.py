@@ -102,7 +102,7 @@ class Frame:
         "fun", "args", "kwargs", "name", "rng", "meta", "handles", "recomputed",
         "debug", "fwd_trace", "reach", "stash", "rec", "autocast", "in_forward", "strict",
         "input_ids", "outer", "nhandles", "saved_ptrs", "inner_backward", "prof", "prof_saved",
-        "offload_ids", "tape", "values", "run", "kept", "deps", "deferred", "consumed",
+        "offload_ids", "tape", "values", "run", "kept", "deps", "deferred", "consumed", "pos", "packed",
     )
 
     def __init__(self, fun, args, kwargs, name, debug):
@@ -142,6 +142,11 @@ class Frame:
         # where the function itself runs again (and is checked).
         self.tape = None
         self.values: dict[int, Any] = {}  # handle index -> the tape Value it stands for
+        # handle index -> the tape's length when autograd saved it: backward reads the value
+        # as it was then (a later write reaches a copy, see Tape.replay)
+        self.pos: dict[int, int] = {}
+        # handle index -> the saved tensor's storage, until the forward ends (see settle_writes)
+        self.packed: dict[int, int] | None = {}
         self.run: list[int] | None = None  # the nodes the forward's plan replays
         self.kept: set[int] = set()  # ids of the kept Values the plan reads
         self.deps: list = []  # writes (through views) into saved tensors after they were made
@@ -216,6 +221,9 @@ class Frame:
                 self.deps.append(w)
             h = _Handle(len(self.handles))
             self.values[h.idx] = v
+            self.pos[h.idx] = len(tape.nodes)
+            if self.packed is not None:
+                self.packed[h.idx] = tape.key(t)
             self.handles.append(weakref.ref(h))
             self.nhandles += 1
             return h
@@ -266,6 +274,7 @@ class Frame:
         if target is not None:  # inside the forward: nothing is final yet, recompute from outside
             live = [target]
             run, _, _ = tape.plan([values[target], *self.deps], lambda v: False)
+            pos = {target: len(tape.nodes)}
         else:
             used = self.consumed or ()
             handles = self.handles
@@ -275,22 +284,23 @@ class Frame:
             else:
                 kept = self.kept
                 run, _, _ = tape.plan([*(values[i] for i in live), *self.deps], lambda v: id(v) in kept)
+            pos = self.pos
         nodes = tape.nodes
 
         def kept_value(v):
             return rec.value(nodes[v.node].key, v.idx)
 
-        want = [values[i] for i in live]
+        targets = [(values[i], pos[i]) for i in live]
         if target is not None:
             tape.paused += 1
         try:
             with rec.replaying() if rec is not None and target is None else _NULL:
-                got = tape.replay(run, want, kept_value, self.name)
+                got = tape.replay(run, targets, kept_value, self.name)
         finally:
             if target is not None:
                 tape.paused -= 1
-        for i in live:
-            self.recomputed[i] = got[id(values[i])]
+        for i, t in zip(live, got):
+            self.recomputed[i] = t
 
     # -- backward ------------------------------------------------------------
     def recompute(self, target: int | None = None) -> None:
@@ -537,6 +547,7 @@ def finish_tape(frame: Frame, tensors, out, outer) -> None:
     saveable values that backward or the replay reads, recompute the rest) and
     let go of everything else."""
     tape, rec = frame.tape, frame.rec
+    settle_writes(frame, tape)
     # (a saved tensor whose graph node is gone, a dead branch's, needs nothing)
     handles = frame.handles
     roots = [*(v for i, v in frame.values.items() if handles[i]() is not None), *frame.deps]
@@ -559,6 +570,25 @@ def finish_tape(frame: Frame, tensors, out, outer) -> None:
     tape.release(used_outside)
     tape.keep_only(run, used_kept)
     frame.fun = frame.args = frame.kwargs = None
+
+
+def settle_writes(frame: Frame, tape: Tape) -> None:
+    """After the forward: a saved tensor the region wrote after autograd saved it.  A write
+    that left its version alone is one autograd expects (``rrelu_with_noise`` saves
+    ``noise``, then fills it): backward reads the value after it, as plain autograd does.
+    A write that moved the version is the user's (``h.mul_(2)`` after ``h.sin()``): backward
+    reads the value as it was saved (plain autograd under
+    ``torch.autograd.graph.allow_mutation_on_saved_tensors`` does the same; without it, it
+    raises), a copy the replay takes before that write."""
+    packed, frame.packed = frame.packed, None
+    tape.settle_bumps()
+    last, nodes, end = tape.last_write, tape.nodes, len(tape.nodes)
+    for i, p in packed.items():
+        w = last.get(p) if p else None
+        if w is None or w.node < frame.pos[i] or nodes[w.node].bumped or frame.handles[i]() is None:
+            continue
+        frame.pos[i] = end  # (the replay writes the saved value in place, as the forward did)
+        frame.deps.append(w)
 
 
 def _input_hooks(outer, offl, rec):

@@ -28,7 +28,7 @@ from ._functorch import forward_mode_active, storage_ptr
 from ._functorch import unwrap_all as _base
 from ._offload import Offloader, Stored, hint, meta_args, tag_name
 from ._residuals import residual_sink
-from ._tape import arg_shapes, placeholder, redirect_writes, run_recorded
+from ._tape import arg_shapes, draw, placeholder, redirect_writes, run_recorded
 from ._torch_internals import DisableTorchFunction, TorchDispatchMode, schema
 from ._torch_internals import version as version_of
 from .policies import NAMED, Offload, PolicyContext, decide
@@ -110,6 +110,16 @@ class Record:
         self.offload_ops: dict[tuple, tuple] = {}  # op key -> (op, meta args) of ops decided "offload"
         self.seq_nodes: list[int] = []  # per op of ``seq``: its node on the region's tape
         self.overwritten: set = set()  # keys of kept outputs the replay writes into (see Tape.plan_kept)
+        # storage -> keys of the entries holding a tensor on it, during the forward: a write
+        # looks only at those (see before_mutation; a region stays linear in its length)
+        self.by_storage: dict[int, set] = {}
+
+    def _index(self, key, tensors) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                p = storage_ptr(t)
+                if p is not None:
+                    self.by_storage.setdefault(p, set()).add(key)
 
     # -- forward -------------------------------------------------------------
     def before_mutation(self, func, args, kwargs) -> None:
@@ -121,24 +131,31 @@ class Record:
                 v = args[i] if i < len(args) else kwargs.get(a.name)
                 for t in optree.tree_leaves(v):
                     if isinstance(t, torch.Tensor):
-                        written.append(t.untyped_storage().data_ptr())
-        if not written:
+                        written.append(storage_ptr(t))
+        keys = set().union(*(self.by_storage.pop(p, ()) for p in written if p is not None))
+        if not keys:
             return
         hit = set(written)
 
         def fix(t):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in hit:
+            if isinstance(t, torch.Tensor) and storage_ptr(t) in hit:
                 return _base(t.clone())
             return t
 
-        for e in self.entries.values():
+        for key in keys:
+            e = self.entries.get(key)
+            if e is None:
+                continue
             if e.out is not None:
                 e.out = optree.tree_map(fix, e.out, none_is_leaf=True)
+                self._index(key, e.out if type(e.out) in (tuple, list) else (e.out,))
             for i in list(e.parts):
                 e.parts[i] = fix(e.parts[i])
+            self._index(key, e.parts.values())
             for p in e.offloaded.values():
                 if type(p) is _Pending:
                     p.t = fix(p.t)
+                    self._index(key, (p.t,))
 
     def after_op(self, func, key, args, kwargs, out) -> None:
         leaves = out if type(out) in (tuple, list) else (out,)
@@ -160,6 +177,7 @@ class Record:
         if d == "save":
             e = self.entries.setdefault(key, _Entry(_meta(args)))
             e.out = _kept(out)
+            self._index(key, leaves)
             self.kept_ptrs.update(storage_ptr(t) for t in leaves if isinstance(t, torch.Tensor))
         elif isinstance(d, Offload):
             self.offload_ops[key] = (func, meta_args(args, kwargs))
@@ -175,9 +193,11 @@ class Record:
                 continue
             if d.src is not None and t.device.type != torch.device(d.src).type:
                 e.parts[i] = t  # not on the offload source: just keep it
+                self._index(key, (t,))
                 continue
             e.offloaded[i] = _Pending(t, d)
             self.pending.setdefault(storage_ptr(t), []).append((key, i))
+            self._index(key, (t,))
         if name:
             for i in idxs:
                 e.names[i] = name
@@ -225,6 +245,7 @@ class Record:
             if e.out is None:
                 e.parts[i] = _kept(base)
             e.names[i] = name
+            self._index(key, (base,))
             self.kept_ptrs.add(storage_ptr(base))
         elif isinstance(d, Offload):
             leaves = [None] * n
@@ -402,16 +423,18 @@ class Record:
                     e.out = None
                     e.parts = {}
 
-    def replay(self, func, key, args, kwargs):
-        out = self._replay(func, key, args, kwargs)
+    def replay(self, func, key, args, kwargs, compute=None):
+        """``func``'s output with the kept parts of it put in; what is not kept comes from
+        ``compute`` (default: running ``func``)."""
+        out = self._replay(func, key, args, kwargs, compute or func)
         if key in self.overwritten:
             out = optree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, out, none_is_leaf=True)
         return out
 
-    def _replay(self, func, key, args, kwargs):
+    def _replay(self, func, key, args, kwargs, compute):
         e = self.entries.get(key)
         if e is None:
-            return func(*args, **kwargs)
+            return compute(*args, **kwargs)
         if e.meta is not None and e.meta != _meta(args):
             raise RecomputeMismatchError(
                 f"Recomputing a remat region ran {func} (call #{key[1]}) on inputs "
@@ -423,7 +446,7 @@ class Record:
                                    e.out, none_is_leaf=True)
         if _single_output(func) and (0 in e.parts or 0 in e.offloaded):
             return _base(e.parts[0].detach()) if 0 in e.parts else self.offloader.fetch(e.offloaded[0])
-        out = func(*args, **kwargs)
+        out = compute(*args, **kwargs)
         multi = type(out) in (tuple, list)
         leaves = list(out) if multi else [out]
         for i, t in e.parts.items():
@@ -515,7 +538,7 @@ class SaveMode(TorchDispatchMode):
                 rec.seq_nodes.append(len(tape.nodes))
             if rec.entries and schema(func).is_mutable and func.overloadpacket not in _METADATA_ONLY:
                 rec.before_mutation(func, args, kwargs)
-        out = func(*args, **kwargs)
+        out = func(*args, **kwargs) if node is None else draw(node, func, args, kwargs)
         if node is not None:
             tape.after(node, out, args, kwargs)
         if rec is not None:
@@ -551,10 +574,15 @@ class SaveMode(TorchDispatchMode):
         if node.shapes != arg_shapes(args, kwargs):  # (batched differently under vmap, say)
             self._diverge()
             return func(*args, **kwargs)
+        needed = (rec.seq_nodes[pos] in plan or func.is_view or func.overloadpacket in _METADATA_ONLY
+                  or _local.stack[-1] is not self)
         if rec.entries.get(key) is not None and not node.writes:
-            return rec.replay(func, key, args, kwargs)
-        if (rec.seq_nodes[pos] in plan or func.is_view or func.overloadpacket in _METADATA_ONLY
-                or _local.stack[-1] is not self):
+            if needed:
+                return rec.replay(func, key, args, kwargs)
+            # (its other outputs are not needed: placeholders, never the op on placeholder inputs)
+            self.dummies = True
+            return rec.replay(func, key, args, kwargs, lambda *a, **k: placeholder(node, a, k))
+        if needed:
             # (the last: an op of a nested region's forward, which keeps what it
             # computes: never a placeholder)
             if node.writes:  # writes into tensors from outside go to copies of what the forward read

@@ -35,9 +35,10 @@ from typing import Any
 import optree
 import torch
 
-from ._errors import RematError, mutated_outside
+from ._errors import RematError, mutated_outside, replaced_outside
 from ._functorch import any_batched, unwrap_all
-from ._torch_internals import any_autocast_enabled, schema
+from ._torch_internals import any_autocast_enabled, mode_stack as _mode_stack
+from ._torch_internals import schema
 from ._torch_internals import version as version_of
 
 __all__ = ["Tape", "Value", "Node", "PLAIN"]
@@ -48,20 +49,36 @@ _DYNAMIC = tuple(t for t in (getattr(torch.Tag, "dynamic_output_shape", None),
                              getattr(torch.Tag, "data_dependent_output", None)) if t is not None)
 
 
+class StorageCopy:
+    """The contents of an outside storage before the region first wrote into it.  Every
+    value read from that storage is replayed as a view of one fresh copy of it per
+    replay, so a write through one alias reaches every other (``base[0].copy_(..)``
+    read back through a view of ``base`` made outside)."""
+
+    __slots__ = ("storage",)
+
+    def __init__(self, storage):
+        self.storage = storage
+
+
 class Value:
     """A tensor value of the region: output ``idx`` of node ``node`` (``node >= 0``), or
     an outside tensor ``t`` at ``version`` (``node == -1``)."""
 
-    __slots__ = ("node", "idx", "t", "version", "snap", "store", "ptr")
+    __slots__ = ("node", "idx", "t", "version", "snap", "store", "ptr", "geom", "sid")
 
     def __init__(self, node: int, idx: int, t=None, version: int = 0, ptr: int = 0):
         self.node = node
         self.idx = idx
         self.t = t  # outside tensors only (held: the replay may read them)
         self.version = version
-        self.snap = None  # a copy taken before the region wrote into this tensor
+        # the region writes this outside tensor's storage: a StorageCopy (with ``geom``, the
+        # tensor's place in it), or a copy of the tensor itself (a subclass)
+        self.snap = None
         self.store = None  # (packed, unpack): stored through enclosing hooks
         self.ptr = ptr
+        self.geom = None  # (dtype, device, storage offset, size, stride), with a StorageCopy
+        self.sid = _storage_id(t) if t is not None and ptr > 0 else 0  # (see Tape.outside_value)
 
     def __repr__(self):  # pragma: no cover - debugging aid
         return f"Value(node={self.node}, idx={self.idx})" if self.node >= 0 else "Value(outside)"
@@ -70,7 +87,8 @@ class Value:
 class Node:
     """One recorded op."""
 
-    __slots__ = ("func", "flat", "spec", "kw", "reads", "outs", "writes", "rng", "key", "meta", "always", "shapes")
+    __slots__ = ("func", "flat", "spec", "kw", "reads", "outs", "writes", "rng", "key", "meta", "always", "shapes",
+                 "held", "probe", "bumped")
 
     def __init__(self, func, flat, spec, kw, reads, rng, key):
         self.func = func
@@ -88,6 +106,13 @@ class Node:
         self.meta: list | None = None  # output (size, stride, dtype, device), on the torch.func path
         self.always = False  # its result steers Python (a scalar, a data-dependent shape)
         self.shapes: tuple | None = None  # argument shapes, on the torch.func path
+        # the outputs themselves, for a random op that cannot be handed a private generator
+        # (the replay never touches a generator other threads draw from): see Tape.after
+        self.held: list | None = None
+        self.probe = None  # generator states before an op that may draw (a custom op)
+        # whether it moved the version of a tensor it writes (see Tape.settle_bumps):
+        # autograd's own writes into a saved tensor (rrelu's noise) move none
+        self.bumped: Any = None
 
 
 # ops that update BatchNorm's running statistics in place although their schema does
@@ -112,13 +137,17 @@ _INFO: dict[Any, tuple] = {}
 
 def _info(func) -> tuple:
     """(written positions, draws random numbers, is a view, output shape depends on data,
-    takes a storage, the op)"""
+    takes a storage, the op, (position, name) of its generator argument or None, an op
+    outside aten and prims that may draw without saying so: a custom op)"""
     i = _INFO.get(id(func))  # (by id: an op's own hash is Python code; the op is held below)
     if i is None:
         tags = func.tags
-        i = _INFO[id(func)] = (_writes_of(func), _SEEDED in tags, func.is_view,
+        args = schema(func).arguments
+        gen = next(((k, a.name) for k, a in enumerate(args) if "Generator" in str(a.type)), None)
+        i = _INFO[id(func)] = (_writes_of(func), _SEEDED in tags or gen is not None, func.is_view,
                                any(t in tags for t in _DYNAMIC),
-                               any("Storage" in str(a.type) for a in schema(func).arguments), func)
+                               any("Storage" in str(a.type) for a in args), func, gen,
+                               func.namespace not in ("aten", "prims"))
     return i
 
 
@@ -152,6 +181,14 @@ def written_tensors(func, args, kwargs) -> list:
 
 # tensors whose storage can be asked for (a subclass may have none)
 PLAIN = (torch.Tensor, torch.nn.Parameter)
+_NO_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+def has_storage(t: torch.Tensor) -> bool:
+    """A tensor whose own storage holds its values: a plain tensor, an ``nn.Parameter``
+    (subclasses too) or any subclass without a ``__torch_dispatch__`` of its own."""
+    tp = type(t)
+    return tp in PLAIN or tp.__torch_dispatch__ is _NO_DISPATCH
 
 
 def arg_shapes(args, kwargs) -> tuple:
@@ -161,9 +198,29 @@ def arg_shapes(args, kwargs) -> tuple:
                  if isinstance(t, torch.Tensor))
 
 
-def _ptr(t: torch.Tensor) -> int:
-    if type(t) not in PLAIN:  # a subclass may have no storage (asking can abort the process)
+def _storage_id(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage object: the same across a resize (FSDP frees and
+    gathers a parameter's memory in place), another after ``p.data = other``."""
+    try:
+        return t.untyped_storage()._cdata if has_storage(t) else 0
+    except (RuntimeError, NotImplementedError):  # pragma: no cover - no storage
         return 0
+
+
+def _ptr(t: torch.Tensor) -> int:
+    """The storage of ``t`` (0: none, or an empty one, which aliases nothing).  A wrapper
+    subclass that says what it wraps (``__tensor_flatten__``: DTensor's local shard) has the
+    storage of the first tensor it wraps; another wrapper (asking can abort the process)
+    none (see Tape.key)."""
+    if type(t) not in PLAIN and not has_storage(t):
+        flatten = getattr(t, "__tensor_flatten__", None)
+        if flatten is None:
+            return 0
+        try:
+            names = flatten()[0]
+            return _ptr(getattr(t, names[0])) if names else 0
+        except Exception:  # pragma: no cover - a subclass's own protocol failing
+            return 0
     try:
         st = t.untyped_storage()
     except (RuntimeError, NotImplementedError):
@@ -171,8 +228,12 @@ def _ptr(t: torch.Tensor) -> int:
     return st.data_ptr() if st.nbytes() else 0
 
 
-def _generator(func, args, kwargs):
+def _generator(func, args, kwargs, pos):
+    """The generator an op draws from: its generator argument (``pos``: (position, name)),
+    else the default generator of its device."""
     g = kwargs.get("generator")
+    if g is None and pos is not None and pos[0] < len(args):
+        g = args[pos[0]]
     if g is not None:
         return g
     dev = kwargs.get("device")
@@ -202,6 +263,41 @@ def _no_autocast():
     return st
 
 
+def _user_modes() -> tuple:
+    """The dispatch modes active now that the user entered (a fake-quantisation mode, say):
+    the forward's ops ran through them, so the replay runs through them too."""
+    return tuple(m for m in _mode_stack() if not type(m).__module__.startswith(("torch.", "remat_fn.")))
+
+
+def _reenter(modes):
+    """Enter the user's dispatch modes of the forward that are not active now."""
+    if not modes:
+        return _NULL
+    active = _mode_stack()
+    missing = [m for m in modes if not any(m is a for a in active)]
+    if not missing:
+        return _NULL
+    st = contextlib.ExitStack()
+    for m in missing:
+        st.enter_context(m)
+    return st
+
+
+def _states(devices) -> tuple:
+    return tuple(g.get_state() for g in _default_generators(devices))
+
+
+def _default_generators(devices) -> list:
+    out = [torch.default_generator]
+    if "cuda" in devices and torch.cuda.is_initialized():
+        out.append(torch.cuda.default_generators[torch.cuda.current_device()])
+    return out
+
+
+def _devices(args, kwargs) -> set:
+    return {x.device.type for x in optree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
+
+
 class Tape:
     """The ops of one forward of one region (see the module docstring)."""
 
@@ -217,14 +313,41 @@ class Tape:
         self.written_outside: set[int] = set()
         self.last_write: dict[int, Value] = {}  # storage -> Value written last
         self.outside: dict[int, list] = {}  # storage -> outside Values read from it
+        self.storage_copies: dict[int, StorageCopy | None] = {}  # storage -> its contents before the first write
         self.paused = 0
         self.stale: list = []  # outside Values whose tensor the region wrote after reading them
         # torch.func path: storage -> a copy of it before the region first wrote into it
         # (the re-run writes into private copies: a buffer is updated once)
         self.pre_write: dict[int, Any] = {}
         self.written_storages: list = []  # (storage, its copy): see undo_writes
+        # storage keys of tensors without a storage of their own (a wrapper subclass that
+        # does not say what it wraps): id -> (key, weak ref); a view shares its base's
+        self.synth: dict[int, tuple] = {}
+        self.modes = _user_modes()  # re-entered by the replay (see _reenter)
+        self.unsettled: list[Node] = []  # writing nodes whose ``bumped`` is not known yet
+
+    def settle_bumps(self) -> None:
+        """Whether each write recorded since the last call moved a version: autograd moves
+        it after the op has returned through the recording mode, so this is asked at the
+        next op (and once the forward is over)."""
+        for node in self.unsettled:
+            node.bumped = any((t := ref()) is not None and version_of(t) != v for ref, v in node.bumped)
+        self.unsettled = []
 
     # -- forward -------------------------------------------------------------
+    def key(self, t: torch.Tensor) -> int:
+        """``t``'s storage (see _ptr); for a wrapper without one, a key of its own that its
+        views share, so writes through them are tracked all the same."""
+        p = _ptr(t)
+        if p or has_storage(t):
+            return p
+        e = self.synth.get(id(t))
+        if e is not None and e[1]() is t:
+            return e[0]
+        k = -1 - len(self.synth)
+        self.synth[id(t)] = (k, weakref.ref(t))
+        return k
+
     def lookup(self, t: torch.Tensor) -> Value:
         reg = self.reg
         e = reg.get(id(t))
@@ -237,7 +360,7 @@ class Tape:
                 # (read again after the region wrote it through a view: the replay's copy
                 # of this value receives those writes in order)
                 return v
-        ptr = _ptr(t)
+        ptr = self.key(t)
         v = Value(-1, 0, t, version_of(t), ptr)
         reg[id(t)] = (v, t)
         if ptr:
@@ -257,7 +380,7 @@ class Tape:
     def write_before(self, t: torch.Tensor) -> Value | None:
         """The last write into ``t``'s storage (through a view, say), which a saved ``t``
         depends on too."""
-        return self.last_write.get(_ptr(t)) if self.last_write else None
+        return self.last_write.get(self.key(t)) if self.last_write else None
 
     def before(self, func, key, args, kwargs) -> Node:
         info = _info(func)
@@ -270,6 +393,8 @@ class Tape:
                 f"remat: the region calls {func} on a storage: the recorded forward cannot replay a "
                 "tensor re-pointed at other memory (its writes would be lost). Fix: make that alias "
                 "outside the region, or use a view (x.view, x.as_strided) of the tensor instead.")
+        if self.unsettled:
+            self.settle_bumps()
         reads = []
         shapes = [] if self.func_path else None
         last = self.last_write
@@ -282,42 +407,61 @@ class Tape:
                 flat[j] = v
                 reads.append(v)
                 if last:
-                    w = last.get(v.ptr if v.node < 0 else _ptr(x))
+                    w = last.get(v.ptr if v.node < 0 else self.key(x))
                     if w is not None:
                         reads.append(w)
         rng = None
         if info[1]:
-            g = _generator(func, args, kwargs)
+            g = _generator(func, args, kwargs, info[6])
             if g is not None:
-                rng = (g, g.get_state())
+                rng = (g, None)  # (its state is read right before the op runs: see draw)
         node = Node(func, flat, spec, kwargs if spec is None else None, reads, rng, key)
+        if info[7]:  # a custom op: it draws if a default generator moves (see after)
+            node.probe = (_devices(args, kwargs),)
+            node.probe += (_states(node.probe[0]),)
         if shapes is not None:  # (as arg_shapes gives them: the tensor leaves, in order)
             node.shapes = tuple(shapes)
         if info[0]:
-            for t in written_tensors(func, args, kwargs):
-                p = _ptr(t)
+            written = written_tensors(func, args, kwargs)
+            node.bumped = [(weakref.ref(t), version_of(t)) for t in written]
+            self.unsettled.append(node)
+            for t in written:
+                p = self.key(t)
                 if p and (p in self.outside or p in self.written_outside):
                     self.written_outside.add(p)
-                    self._snapshot(p)
-                    if self.copies and p not in self.pre_write:
-                        st = t.untyped_storage()
-                        self.pre_write[p] = st.clone()
-                        self.written_storages.append((st, self.pre_write[p]))
+                    self._snapshot(p, t)
         return node
 
     def record(self, func, key, args, kwargs):
         """Run ``func`` and record it as the next node."""
         node = self.before(func, key, args, kwargs)
-        out = func(*args, **kwargs)
+        out = draw(node, func, args, kwargs)
         self.after(node, out, args, kwargs)
         return out
 
-    def _snapshot(self, ptr: int) -> None:
-        """The region writes into an outside storage: copy the values read from it so far."""
+    def _snapshot(self, ptr: int, t: torch.Tensor) -> None:
+        """The region writes (through ``t``) into an outside storage: the values read from it
+        so far replay from a copy of the storage taken before its first write, one copy per
+        replay shared by all of them (they alias there as they did here)."""
+        if ptr not in self.storage_copies:
+            copy = None
+            if ptr > 0 and has_storage(t):
+                st = t.untyped_storage()
+                copy = StorageCopy(st.clone())
+                if self.copies:
+                    self.pre_write[ptr] = copy.storage
+                    self.written_storages.append((st, copy.storage))
+            self.storage_copies[ptr] = copy
+        copy = self.storage_copies[ptr]
         for v in self.outside.pop(ptr, ()):
             if v.snap is None and version_of(v.t) == v.version:
-                with torch.no_grad():
-                    v.snap = v.t.clone()
+                if copy is not None and has_storage(v.t):
+                    t = v.t
+                    v.snap = copy
+                    v.geom = (t.dtype, t.device, t.storage_offset(), t.size(), t.stride())
+                else:  # (a subclass: a copy of its own)
+                    with torch.no_grad():
+                        v.snap = v.t.clone()
                 self.stale.append(v)
 
     def after(self, node: Node, out, args, kwargs) -> None:
@@ -325,11 +469,21 @@ class Tape:
         self.nodes.append(node)
         reg = self.reg
         leaves = out if type(out) in _SEQ else (out,)
-        writes, _, view, dynamic, _, _ = _info(node.func)
+        writes, _, view, dynamic, _, _, gen, _ = _info(node.func)
         if self.func_path:
             node.meta = (type(out) if type(out) in (tuple, list) else None,
                          [(t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else None
                           for t in leaves])
+        if node.probe is not None:
+            devices, states = node.probe
+            node.probe = None
+            if any(not torch.equal(a, b) for a, b in zip(states, _states(devices))):
+                node.held = [_held(t) for t in leaves]
+                node.rng = (torch.default_generator, states[0])  # (for restore_rng)
+        elif node.rng is not None and gen is None:
+            # a random op that takes no generator (native_dropout, rand): replaying it would
+            # have to set a generator other threads draw from; its outputs are kept instead
+            node.held = [_held(t) for t in leaves]
         outs = node.outs
         for i, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
@@ -337,7 +491,11 @@ class Tape:
                 reg[id(t)] = (v, weakref.ref(t))
                 outs.append(v)
                 if self.last_write and not view and not writes:  # (a freed storage reused)
-                    self.last_write.pop(_ptr(t), None)
+                    self.last_write.pop(self.key(t), None)
+                elif (view or node.func in _ALIASING) and not has_storage(t) and not _ptr(t):
+                    a = node.flat[0] if node.spec is None else None
+                    if isinstance(args[0] if args else None, torch.Tensor) and type(a) is Value:
+                        self.synth[id(t)] = (self.key(args[0]), weakref.ref(t))
             else:
                 outs.append(None)
                 if t is not None:
@@ -352,7 +510,7 @@ class Tape:
                 if i is None:
                     reg[id(t)] = (v, weakref.ref(t))
                 node.writes.append((n, v))
-                p = _ptr(t)
+                p = self.key(t)
                 if p:
                     self.last_write[p] = v
 
@@ -429,7 +587,7 @@ class Tape:
             if v.node < 0:
                 used_outside.add(v)
                 continue
-            if kept(v):
+            if nodes[v.node].held is not None or kept(v):
                 used_kept.add(v)
                 continue
             if v.node in run:
@@ -444,6 +602,8 @@ class Tape:
         self.outside = {}
         self.last_write = {}
         self.written_outside = set()
+        self.storage_copies = {}
+        self.synth = {}
         used = {id(v) for v in used_outside}
         for v in self.stale:
             if id(v) not in used:
@@ -486,7 +646,7 @@ class Tape:
         if t is not None:
             return t
         if v.snap is not None:
-            t = v.snap.clone()  # the replay may write into it; a second backward replays again
+            t = _from_copy(v, env)  # the replay may write into it; a second backward replays again
         elif v.store is not None:
             packed, unpack = v.store
             t = unpack(packed)
@@ -494,13 +654,21 @@ class Tape:
             t = v.t
             if version_of(t) != v.version:
                 raise mutated_outside(name, t, v.version, version_of(t))
+            if v.sid and _storage_id(t) != v.sid:  # (``p.data = other``: no version bump)
+                raise replaced_outside(name, t)
         env[id(v)] = t
         return t
 
-    def replay(self, run, want, kept_value, name: str) -> dict:
-        """Run the nodes ``run`` (indices, in order) and return ``{id(value): tensor}`` for
-        the Values in ``want``.  ``kept_value(value)`` gives a kept value's tensor."""
-        env: dict[int, torch.Tensor] = {}
+    def replay(self, run, targets, kept_value, name: str) -> list:
+        """Run the nodes ``run`` (indices, in order) and return, for each ``(value, pos)`` of
+        ``targets``, the value's tensor as the forward's node ``pos`` found it: a later write
+        into it (``h.mul_(2)`` after ``h.sin()`` saved ``h``) reaches a copy handed out
+        before that write.  ``kept_value(value)`` gives a kept value's tensor.  Each value
+        is let go after its last use, so the replay holds what backward needs and the
+        values still to be read, no more."""
+        env: dict[int, Any] = {}
+        nodes = self.nodes
+        copy_held = any(nodes[k].writes for k in run)
 
         def get(v):
             t = env.get(id(v))
@@ -508,7 +676,12 @@ class Tape:
                 return t
             if v.node < 0:
                 return self.outside_value(v, name, env)
-            t = kept_value(v)
+            held = nodes[v.node].held
+            if held is not None:
+                t = held[v.idx]
+                t = t.clone() if copy_held else t  # (a replayed op may write into it)
+            else:
+                t = kept_value(v)
             env[id(v)] = t
             return t
 
@@ -516,14 +689,23 @@ class Tape:
         if grad:
             torch.set_grad_enabled(False)
         try:
-            with _no_autocast():
-                return self._run_nodes(run, want, get, env)
+            with _no_autocast(), _reenter(self.modes):
+                return self._run_nodes(run, targets, get, env)
         finally:
             if grad:
                 torch.set_grad_enabled(True)
 
-    def _run_nodes(self, run, want, get, env) -> dict:
+    def _run_nodes(self, run, targets, get, env) -> list:
         nodes = self.nodes
+        last: dict[int, int] = {}  # id(value) -> the last replayed node that reads it
+        for k in run:
+            for x in nodes[k].flat:
+                if type(x) is Value:
+                    last[id(x)] = k
+        want = {id(v) for v, _ in targets}
+        result: list = [None] * len(targets)
+        # targets a later write may reach: (index, value, pos)
+        guard = [(i, v, pos) for i, (v, pos) in enumerate(targets) if run and pos <= run[-1]]
         for k in run:
             node = nodes[k]
             flat = [get(x) if type(x) is Value else x for x in node.flat]
@@ -531,33 +713,115 @@ class Tape:
                 args, kwargs = flat, node.kw
             else:
                 args, kwargs = optree.tree_unflatten(node.spec, flat)
+            if node.writes and guard:
+                guard = _copy_before_write(guard, k, written_tensors(node.func, args, kwargs), env, result)
             out = run_recorded(node, args, kwargs)
+            outs = node.outs
             if type(out) in _SEQ:
-                for v, t in zip(node.outs, out):
+                for v, t in zip(outs, out):
                     if v is not None:
                         env[id(v)] = t
-            elif node.outs[0] is not None:
-                env[id(node.outs[0])] = out
+            elif outs[0] is not None:
+                env[id(outs[0])] = out
             if node.writes:
                 written = written_tensors(node.func, args, kwargs)
                 for n, v in node.writes:
                     env[id(v)] = written[n]
-        return {id(v): get(v) for v in want}
+            del flat, args, kwargs, out
+            # let go of what no later op and no target reads
+            for x in node.flat:
+                if type(x) is Value and last.get(id(x)) == k and id(x) not in want:
+                    env.pop(id(x), None)
+            for v in outs:
+                if v is not None and id(v) not in last and id(v) not in want:
+                    env.pop(id(v), None)
+            for _, v in node.writes:
+                if id(v) not in last and id(v) not in want:
+                    env.pop(id(v), None)
+        for i, (v, _) in enumerate(targets):
+            if result[i] is None:
+                result[i] = get(v)
+        return result
+
+
+def _copy_before_write(guard, k, written, env, result) -> list:
+    """Node ``k`` writes ``written``: each target saved before it (``pos <= k``) whose tensor
+    it writes is handed out as a copy taken now.  Returns the targets still guarded."""
+    hit = {p for t in written if (p := _ptr(t))}
+    rest = []
+    for i, v, pos in guard:
+        if pos <= k:
+            t = env.get(id(v))
+            if t is not None and _ptr(t) in hit:
+                result[i] = t.clone()
+                continue
+        rest.append((i, v, pos))
+    return rest
+
+
+def _from_copy(v: Value, env: dict) -> torch.Tensor:
+    """A fresh tensor with ``v``'s value from its snapshot: for a StorageCopy, a view of one
+    copy of the storage per replay (``env``)."""
+    snap = v.snap
+    if type(snap) is not StorageCopy:
+        return snap.clone()
+    st = env.get(id(snap))
+    if st is None:
+        st = env[id(snap)] = snap.storage.clone()
+    dtype, device, offset, size, stride = v.geom
+    return torch.empty(0, dtype=dtype, device=device).set_(st, offset, size, stride)
+
+
+def draw(node: Node, func, args, kwargs):
+    """Run ``func`` for ``node`` in the forward.  A random op that takes a generator draws
+    from a private one set to its generator's state, which then moves on as if the op had
+    drawn from it: the replay starts from exactly the state the op drew from, whatever
+    other threads draw meanwhile.  (One that takes none runs as it is: its outputs are held.)"""
+    rng = node.rng
+    if rng is None:
+        return func(*args, **kwargs)
+    g = rng[0]
+    state = g.get_state()
+    node.rng = (g, state)
+    if node.probe is not None or _info(func)[6] is None:
+        return func(*args, **kwargs)
+    mine = _private(g, state)
+    out = _with_generator(node.func, args, kwargs, mine)
+    g.set_state(mine.get_state())
+    return out
+
+
+def _private(g, state) -> torch.Generator:
+    mine = torch.Generator(device=g.device)
+    mine.set_state(state)
+    return mine
+
+
+def _with_generator(func, args, kwargs, g):
+    pos, name = _info(func)[6]
+    if pos < len(args):
+        args = list(args)
+        args[pos] = g
+    else:
+        kwargs = {**kwargs, name: g}
+    return func(*args, **kwargs)
+
+
+def _held(t):
+    return t.detach() if isinstance(t, torch.Tensor) else t
 
 
 def run_recorded(node: Node, args, kwargs):
-    """Run ``node``'s op on ``args``; a random op draws the forward's numbers (its
-    generator set to the recorded state, and put back after)."""
+    """Run ``node``'s op on ``args``; a random op draws the forward's numbers from a
+    private generator set to the recorded state (never from one other threads see)."""
     rng = node.rng
     if rng is None:
         return node.func(*args, **kwargs)
-    g, state = rng
-    before = g.get_state()
-    g.set_state(state)
-    try:
-        return node.func(*args, **kwargs)
-    finally:
-        g.set_state(before)
+    if node.held is not None:  # (a re-run of the function reaching it: copies of what it made)
+        leaves = [t.clone() if isinstance(t, torch.Tensor) else t for t in node.held]
+        rets = schema(node.func).returns
+        return leaves[0] if len(rets) == 1 and str(rets[0].type) == "Tensor" else tuple(leaves)
+    return _with_generator(node.func, args, kwargs, _private(*rng))
 
 
 def redirect_writes(node, args, kwargs):
@@ -565,9 +829,10 @@ def redirect_writes(node, args, kwargs):
     what the forward read (the torch.func re-run never writes a tensor it does not own)."""
     # node.flat lines up with the positional arguments, or with the leaves (see Node)
     flat, spec = (list(args), None) if node.spec is None else optree.tree_flatten((args, kwargs), none_is_leaf=True)
+    env: dict = {}
     for j, v in enumerate(node.flat):
         if type(v) is Value and v.node < 0 and v.snap is not None:
-            flat[j] = v.snap.clone()
+            flat[j] = _from_copy(v, env)
     return (flat, kwargs) if spec is None else optree.tree_unflatten(spec, flat)
 
 
@@ -582,7 +847,7 @@ def placeholder(node, args, kwargs):
             for n, w in node.writes:
                 if w is v:
                     alias[i] = written[n]
-    leaves = [alias[i] if i in alias else
+    leaves = [alias[i] if i in alias else None if m is None else  # (None: a void op's output)
               torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3])
               for i, m in enumerate(metas)]
     return multi(leaves) if multi is not None else leaves[0]
