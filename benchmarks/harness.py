@@ -127,11 +127,17 @@ def peak_rss_mib() -> float:
 
 
 def fresh_process(section: str, spec: str, env: dict[str, str] | None = None, timeout: int = 900) -> dict:
-    """Run ``python -m benchmarks --_child SECTION SPEC`` and return the JSON it prints last."""
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    """Run ``python -m benchmarks --_child SECTION SPEC`` and return the JSON it prints last.
+
+    The child imports the ``remat_fn`` this process imported (a frozen copy first on
+    ``PYTHONPATH``, say): ``python -m`` puts its working directory first on
+    ``sys.path``, so it runs in the folder that holds that ``remat_fn``."""
+    src = os.path.dirname(os.path.dirname(os.path.abspath(remat_fn.__file__)))
+    path = [src, ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(dict.fromkeys(path)))
     full_env.update(env or {})
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--_child", section, spec],
-                          capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT)
+                          capture_output=True, text=True, env=full_env, timeout=timeout, cwd=src)
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ._functorch import transform_kinds
+from ._functorch import storage_ptr, transform_kinds
 from .policies import DOT_OPS, NAMED
 
 __all__ = ["Plan", "Measuring", "BudgetPlanner", "solve", "op_cost", "make_plan", "plan_on_graph", "stats",
@@ -242,10 +242,12 @@ class Measuring:
         nbytes = 0
         for o in outs:
             if isinstance(o, torch.Tensor):  # (integer outputs too: a kept op keeps them)
-                st = o.untyped_storage()
-                nbytes += st.nbytes()
+                ptr = storage_ptr(o)
+                if ptr is None:  # (a wrapper subclass: no storage of its own to count)
+                    continue
+                nbytes += o.untyped_storage().nbytes()
                 # storages are reused once freed: the latest producer owns the pointer
-                self.producer[st.data_ptr()] = ctx.key
+                self.producer[ptr] = ctx.key
         if nbytes:
             self.items[ctx.key] = (nbytes, op_cost(op, args, out))
         return CheckpointPolicy.PREFER_RECOMPUTE

@@ -54,10 +54,10 @@ def storage_ptr(t: torch.Tensor) -> int | None:
     for a tensor without one (sparse, a wrapper whose level is live) or with an empty one."""
     try:
         st = unwrap_all(t).untyped_storage()
-    except (RuntimeError, NotImplementedError):
+        # (every empty storage has data pointer 0: none of them is another's alias)
+        return st.data_ptr() if st.nbytes() else None
+    except (RuntimeError, NotImplementedError):  # (a wrapper subclass's storage has no data)
         return None
-    # (every empty storage has data pointer 0: none of them is another's alias)
-    return st.data_ptr() if st.nbytes() else None
 
 
 def needs_grad(t: torch.Tensor, levels: dict | None = None) -> bool:

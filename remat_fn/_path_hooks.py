@@ -30,12 +30,13 @@ from ._describe import describe_meta
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_input
 from ._functorch import forward_mode_active, storage_ptr
 from ._offload import hooks_for_inputs, input_offloads, report_inputs, requesting, unaliased
+from ._ops import PLAIN
 from ._profile import active, storage_bytes, timer
 from ._record import Record, paused, saving
 from ._region import RegionCall
 from ._residuals import residual_sink
 from ._rng_state import RNGSnapshot
-from ._tape import PLAIN, Tape
+from ._tape import Tape
 from ._torch_internals import hooks_enabled
 from ._torch_internals import pop_hooks as _pop_hooks
 from ._torch_internals import push_hooks as _push_hooks
@@ -573,21 +574,20 @@ def finish_tape(frame: Frame, tensors, out, outer) -> None:
 
 
 def settle_writes(frame: Frame, tape: Tape) -> None:
-    """After the forward: a saved tensor the region wrote after autograd saved it.  A write
-    that left its version alone is one autograd expects (``rrelu_with_noise`` saves
-    ``noise``, then fills it): backward reads the value after it, as plain autograd does.
-    A write that moved the version is the user's (``h.mul_(2)`` after ``h.sin()``): backward
-    reads the value as it was saved (plain autograd under
-    ``torch.autograd.graph.allow_mutation_on_saved_tensors`` does the same; without it, it
-    raises), a copy the replay takes before that write."""
+    """After the forward: a saved tensor the region wrote after autograd saved it.  The op
+    being dispatched when autograd saved it may write it (``rrelu_with_noise`` saves
+    ``noise``, then fills it): backward reads the value after that write, as plain autograd
+    does; the replay runs it into the saved value.  A later write (``h.mul_(2)`` after
+    ``h.sin()`` saved ``h``) reaches a copy the replay takes before it: backward reads the
+    value as saved, as plain autograd under
+    ``torch.autograd.graph.allow_mutation_on_saved_tensors`` does (without it, it raises)."""
     packed, frame.packed = frame.packed, None
-    tape.settle_bumps()
-    last, nodes, end = tape.last_write, tape.nodes, len(tape.nodes)
     for i, p in packed.items():
-        w = last.get(p) if p else None
-        if w is None or w.node < frame.pos[i] or nodes[w.node].bumped or frame.handles[i]() is None:
+        hit = tape.first_write(p, frame.pos[i]) if p else None
+        if hit is None or frame.handles[i]() is None:
             continue
-        frame.pos[i] = end  # (the replay writes the saved value in place, as the forward did)
+        k, w = hit
+        frame.pos[i] = k + 1
         frame.deps.append(w)
 
 

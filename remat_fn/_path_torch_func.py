@@ -331,9 +331,11 @@ class _RematFunction(torch.autograd.Function):
             spec.rec.producer = {}
             spec.rec.seal(outs)
         spec.views = _input_views(outs, tensors)
-        inputs = set(id(t) for t in tensors)
-        # An output that *is* an input would be aliased by autograd; return a view.
-        outs = tuple(o.view_as(o) if id(o) in inputs else o for o in outs)
+        # An output that *is* an input would be aliased by autograd; return a view.  (Below
+        # the wrappers: vmap's generated rule unwraps them, so an output that wraps an
+        # input's tensor, x.t() of a vmapped vector, is that input there.)
+        inputs = {id(unwrap_all(t)) for t in tensors}
+        outs = tuple(o.view_as(o) if isinstance(o, torch.Tensor) and id(unwrap_all(o)) in inputs else o for o in outs)
         spec.out_box.append(rebuild)
         spec.out_meta = [_meta(o) for o in outs]
         return outs
@@ -366,7 +368,9 @@ class _RematFunction(torch.autograd.Function):
         if not wrt:
             return tuple(result)
         out_diff = ctx.out_diff
-        detach = can_drop_graph(ctx.saved_tensors, grads)
+        # (a live jvp level differentiates this backward too: under no_grad torch's backward
+        # formulas take branches with no tangent, solve/logdet, or kernels forward AD lacks, silu_backward)
+        detach = can_drop_graph(ctx.saved_tensors, grads) and not forward_mode_active()
         grads = tuple(unwrap_if_dead(g) if g is not None else None for g in grads)
         # (grad mode off: nothing records this backward; a forward-mode level would, see from_graph)
         if (detach or not torch.is_grad_enabled()) and spec.graph is not None and not forward_mode_active():
@@ -455,8 +459,8 @@ def _input_views(outs, tensors) -> dict[int, tuple]:
     found = {}
     storages = {}
     for j, t in enumerate(tensors):
-        if not is_wrapped(t) and t.layout == torch.strided:
-            storages.setdefault(t.untyped_storage().data_ptr(), j)
+        if not is_wrapped(t) and t.layout == torch.strided and (p := storage_ptr(t)) is not None:
+            storages.setdefault(p, j)
     if not storages:
         return found
     ids = {id(t) for t in tensors}
@@ -464,7 +468,7 @@ def _input_views(outs, tensors) -> dict[int, tuple]:
         if (id(o) in ids or is_wrapped(o) or o.layout != torch.strided
                 or not o.numel()):
             continue  # an input returned as is stays inside (see forward)
-        j = storages.get(o.untyped_storage().data_ptr())
+        j = storages.get(storage_ptr(o))
         if j is not None and o.dtype == tensors[j].dtype and o.device == tensors[j].device:
             found[i] = (j, tuple(o.shape), o.stride(), o.storage_offset())
     return found

@@ -27,9 +27,10 @@ from ._errors import MutatedSavedTensorError, RecomputeMismatchError
 from ._functorch import forward_mode_active, storage_ptr
 from ._functorch import unwrap_all as _base
 from ._offload import Offloader, Stored, hint, meta_args, tag_name
+from ._ops import METADATA_ONLY, arg_meta, arg_shapes, draw, lift_user_modes, run_recorded, single_output
 from ._residuals import residual_sink
-from ._tape import arg_shapes, draw, placeholder, redirect_writes, run_recorded
-from ._torch_internals import DisableTorchFunction, TorchDispatchMode, schema
+from ._tape import placeholder, redirect_writes
+from ._torch_internals import DisableTorchFunction, TorchDispatchMode, dispatch_stack_len, pop_mode, push_mode, schema
 from ._torch_internals import version as version_of
 from .policies import NAMED, Offload, PolicyContext, decide
 
@@ -43,26 +44,11 @@ class _Local(threading.local):
 _local = _Local()
 _no_torch_function = DisableTorchFunction
 _DETACH = torch.ops.aten.detach.default
-# in-place ops that change only a tensor's sizes and strides, not its data (matmul on
-# a 1-D operand ends in squeeze_): a kept value they touch needs no copy
-_METADATA_ONLY = frozenset(
-    p for p in (getattr(torch.ops.aten, n, None) for n in (
-        "squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_", "as_strided_", "detach_"))
-    if p is not None
-)
-
-
 def _kept(out):
     """What to keep of an op's output: its values without autograd history (under a
     functorch grad level the values below the wrapper carry the level's graph)."""
     return optree.tree_map(lambda t: _base(t.detach()) if isinstance(t, torch.Tensor) else t, out,
                            none_is_leaf=True)
-
-
-def _meta(args) -> tuple:
-    return tuple(
-        (tuple(a.shape), a.dtype) for a in optree.tree_leaves(args) if isinstance(a, torch.Tensor)
-    )
 
 
 class _Entry:
@@ -175,7 +161,7 @@ class Record:
         finally:
             ctx.op_output = None  # hold no reference past the decision
         if d == "save":
-            e = self.entries.setdefault(key, _Entry(_meta(args)))
+            e = self.entries.setdefault(key, _Entry(arg_meta(args)))
             e.out = _kept(out)
             self._index(key, leaves)
             self.kept_ptrs.update(storage_ptr(t) for t in leaves if isinstance(t, torch.Tensor))
@@ -435,16 +421,16 @@ class Record:
         e = self.entries.get(key)
         if e is None:
             return compute(*args, **kwargs)
-        if e.meta is not None and e.meta != _meta(args):
+        if e.meta is not None and e.meta != arg_meta(args):
             raise RecomputeMismatchError(
                 f"Recomputing a remat region ran {func} (call #{key[1]}) on inputs "
-                f"{_meta(args)} but the forward ran it on {e.meta}. The region must run the "
+                f"{arg_meta(args)} but the forward ran it on {e.meta}. The region must run the "
                 "same ops each time: make control flow depend only on its arguments."
             )
         if e.out is not None:
             return optree.tree_map(lambda x: _base(x.detach()) if isinstance(x, torch.Tensor) else x,
                                    e.out, none_is_leaf=True)
-        if _single_output(func) and (0 in e.parts or 0 in e.offloaded):
+        if single_output(func) and (0 in e.parts or 0 in e.offloaded):
             return _base(e.parts[0].detach()) if 0 in e.parts else self.offloader.fetch(e.offloaded[0])
         out = compute(*args, **kwargs)
         multi = type(out) in (tuple, list)
@@ -454,11 +440,6 @@ class Record:
         for i, h in e.offloaded.items():
             leaves[i] = self.offloader.fetch(h)
         return type(out)(leaves) if multi else leaves[0]
-
-
-def _single_output(func) -> bool:
-    rets = schema(func).returns
-    return len(rets) == 1 and str(rets[0].type) == "Tensor"
 
 
 class Diverged(Exception):
@@ -494,12 +475,21 @@ class SaveMode(TorchDispatchMode):
         if stack is None:
             stack = _local.stack = []
         stack.append(self)
-        return super().__enter__()
+        # (recording: below the user's modes, see lift_user_modes)
+        self.lifted = lift_user_modes() if not self.recompute and dispatch_stack_len() else ()
+        out = super().__enter__()
+        for m in self.lifted:
+            push_mode(m)
+        return out
 
     def __exit__(self, *exc):
         try:
+            for _ in self.lifted:
+                pop_mode()
             return super().__exit__(*exc)
         finally:
+            for m in self.lifted:
+                push_mode(m)
             _local.stack.pop()
             if self.around is not None:
                 self.around.__exit__(*exc)
@@ -536,7 +526,7 @@ class SaveMode(TorchDispatchMode):
             rec.seq.append(func)
             if tape is not None:
                 rec.seq_nodes.append(len(tape.nodes))
-            if rec.entries and schema(func).is_mutable and func.overloadpacket not in _METADATA_ONLY:
+            if rec.entries and schema(func).is_mutable and func.overloadpacket not in METADATA_ONLY:
                 rec.before_mutation(func, args, kwargs)
         out = func(*args, **kwargs) if node is None else draw(node, func, args, kwargs)
         if node is not None:
@@ -574,7 +564,9 @@ class SaveMode(TorchDispatchMode):
         if node.shapes != arg_shapes(args, kwargs):  # (batched differently under vmap, say)
             self._diverge()
             return func(*args, **kwargs)
-        needed = (rec.seq_nodes[pos] in plan or func.is_view or func.overloadpacket in _METADATA_ONLY
+        if node.held is not None:  # (a random op whose outputs the tape holds)
+            return run_recorded(node, args, kwargs)
+        needed = (rec.seq_nodes[pos] in plan or func.is_view or func.overloadpacket in METADATA_ONLY
                   or _local.stack[-1] is not self)
         if rec.entries.get(key) is not None and not node.writes:
             if needed:

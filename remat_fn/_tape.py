@@ -37,18 +37,30 @@ import torch
 
 from ._errors import RematError, mutated_outside, replaced_outside
 from ._functorch import any_batched, unwrap_all
-from ._torch_internals import any_autocast_enabled, mode_stack as _mode_stack
-from ._torch_internals import schema
+from ._ops import (
+    ALIASING,
+    SEQ,
+    default_states,
+    devices_of,
+    draw,
+    generator_of,
+    has_storage,
+    held_copy,
+    no_autocast,
+    op_info,
+    run_recorded,
+    simple_args,
+    storage_id,
+    storage_key,
+    written_tensors,
+)
 from ._torch_internals import version as version_of
 
-__all__ = ["Tape", "Value", "Node", "PLAIN"]
+_DETACH = torch.ops.aten.detach.default
+
+__all__ = ["Tape", "Value", "Node", "StorageCopy", "placeholder", "redirect_writes", "private_copies"]
 
 _NULL = contextlib.nullcontext()
-_SEEDED = torch.Tag.nondeterministic_seeded
-_DYNAMIC = tuple(t for t in (getattr(torch.Tag, "dynamic_output_shape", None),
-                             getattr(torch.Tag, "data_dependent_output", None)) if t is not None)
-
-
 class StorageCopy:
     """The contents of an outside storage before the region first wrote into it.  Every
     value read from that storage is replayed as a view of one fresh copy of it per
@@ -78,7 +90,7 @@ class Value:
         self.store = None  # (packed, unpack): stored through enclosing hooks
         self.ptr = ptr
         self.geom = None  # (dtype, device, storage offset, size, stride), with a StorageCopy
-        self.sid = _storage_id(t) if t is not None and ptr > 0 else 0  # (see Tape.outside_value)
+        self.sid = storage_id(t) if t is not None and ptr > 0 else 0  # (see Tape.outside_value)
 
     def __repr__(self):  # pragma: no cover - debugging aid
         return f"Value(node={self.node}, idx={self.idx})" if self.node >= 0 else "Value(outside)"
@@ -88,7 +100,7 @@ class Node:
     """One recorded op."""
 
     __slots__ = ("func", "flat", "spec", "kw", "reads", "outs", "writes", "rng", "key", "meta", "always", "shapes",
-                 "held", "probe", "bumped")
+                 "held", "probe")
 
     def __init__(self, func, flat, spec, kw, reads, rng, key):
         self.func = func
@@ -110,192 +122,6 @@ class Node:
         # (the replay never touches a generator other threads draw from): see Tape.after
         self.held: list | None = None
         self.probe = None  # generator states before an op that may draw (a custom op)
-        # whether it moved the version of a tensor it writes (see Tape.settle_bumps):
-        # autograd's own writes into a saved tensor (rrelu's noise) move none
-        self.bumped: Any = None
-
-
-# ops that update BatchNorm's running statistics in place although their schema does
-# not say so (the ``training`` flag is argument 5)
-_UNDECLARED = tuple(getattr(getattr(torch.ops.aten, n, None), "default", None)
-                    for n in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"))
-
-
-def _writes_of(func) -> tuple:
-    """(position, name) of the arguments ``func`` writes in place (cached by :func:`_info`)."""
-    args = schema(func).arguments
-    if func in _UNDECLARED:
-        return ((3, args[3].name), (4, args[4].name))
-    return tuple((i, a.name) for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
-
-
-_SEQ = (tuple, list)
-# ops whose output shares its first argument's storage without being marked a view
-_ALIASING = tuple(getattr(torch.ops.aten, n).default for n in ("_unsafe_view",) if hasattr(torch.ops.aten, n))
-_INFO: dict[Any, tuple] = {}
-
-
-def _info(func) -> tuple:
-    """(written positions, draws random numbers, is a view, output shape depends on data,
-    takes a storage, the op, (position, name) of its generator argument or None, an op
-    outside aten and prims that may draw without saying so: a custom op)"""
-    i = _INFO.get(id(func))  # (by id: an op's own hash is Python code; the op is held below)
-    if i is None:
-        tags = func.tags
-        args = schema(func).arguments
-        gen = next(((k, a.name) for k, a in enumerate(args) if "Generator" in str(a.type)), None)
-        i = _INFO[id(func)] = (_writes_of(func), _SEEDED in tags or gen is not None, func.is_view,
-                               any(t in tags for t in _DYNAMIC),
-                               any("Storage" in str(a.type) for a in args), func, gen,
-                               func.namespace not in ("aten", "prims"))
-    return i
-
-
-def _simple(args, kwargs) -> bool:
-    """No tensor among ``kwargs`` or inside a list argument."""
-    for a in args:
-        if type(a) in _SEQ:
-            for e in a:
-                if isinstance(e, torch.Tensor):
-                    return False
-    if kwargs:
-        for v in kwargs.values():
-            if isinstance(v, torch.Tensor):
-                return False
-            if type(v) in _SEQ:
-                for e in v:
-                    if isinstance(e, torch.Tensor):
-                        return False
-    return True
-
-
-def written_tensors(func, args, kwargs) -> list:
-    out = []
-    for i, name in _info(func)[0]:
-        v = args[i] if i < len(args) else kwargs.get(name)
-        for t in (v if isinstance(v, (tuple, list)) else (v,)):
-            if isinstance(t, torch.Tensor):
-                out.append(t)
-    return out
-
-
-# tensors whose storage can be asked for (a subclass may have none)
-PLAIN = (torch.Tensor, torch.nn.Parameter)
-_NO_DISPATCH = torch.Tensor.__torch_dispatch__
-
-
-def has_storage(t: torch.Tensor) -> bool:
-    """A tensor whose own storage holds its values: a plain tensor, an ``nn.Parameter``
-    (subclasses too) or any subclass without a ``__torch_dispatch__`` of its own."""
-    tp = type(t)
-    return tp in PLAIN or tp.__torch_dispatch__ is _NO_DISPATCH
-
-
-def arg_shapes(args, kwargs) -> tuple:
-    if _simple(args, kwargs):
-        return tuple(t.shape for t in args if isinstance(t, torch.Tensor))
-    return tuple(t.shape for t in optree.tree_leaves((args, kwargs), none_is_leaf=True)
-                 if isinstance(t, torch.Tensor))
-
-
-def _storage_id(t: torch.Tensor) -> int:
-    """The identity of ``t``'s storage object: the same across a resize (FSDP frees and
-    gathers a parameter's memory in place), another after ``p.data = other``."""
-    try:
-        return t.untyped_storage()._cdata if has_storage(t) else 0
-    except (RuntimeError, NotImplementedError):  # pragma: no cover - no storage
-        return 0
-
-
-def _ptr(t: torch.Tensor) -> int:
-    """The storage of ``t`` (0: none, or an empty one, which aliases nothing).  A wrapper
-    subclass that says what it wraps (``__tensor_flatten__``: DTensor's local shard) has the
-    storage of the first tensor it wraps; another wrapper (asking can abort the process)
-    none (see Tape.key)."""
-    if type(t) not in PLAIN and not has_storage(t):
-        flatten = getattr(t, "__tensor_flatten__", None)
-        if flatten is None:
-            return 0
-        try:
-            names = flatten()[0]
-            return _ptr(getattr(t, names[0])) if names else 0
-        except Exception:  # pragma: no cover - a subclass's own protocol failing
-            return 0
-    try:
-        st = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return 0
-    return st.data_ptr() if st.nbytes() else 0
-
-
-def _generator(func, args, kwargs, pos):
-    """The generator an op draws from: its generator argument (``pos``: (position, name)),
-    else the default generator of its device."""
-    g = kwargs.get("generator")
-    if g is None and pos is not None and pos[0] < len(args):
-        g = args[pos[0]]
-    if g is not None:
-        return g
-    dev = kwargs.get("device")
-    if dev is None:
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                dev = a.device
-                break
-    dev = torch.device(dev) if dev is not None else torch.device("cpu")
-    if dev.type == "cpu":
-        return torch.default_generator
-    if dev.type == "cuda":
-        return torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()]
-    return None  # pragma: no cover - other devices: no per-op state (the region snapshot covers them)
-
-
-def _no_autocast():
-    """The recorded ops are the ones autocast already chose: replay them as they are."""
-    if any_autocast_enabled is not None and not any_autocast_enabled():
-        return _NULL
-    on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
-    if not on:
-        return _NULL
-    st = contextlib.ExitStack()
-    for d in on:
-        st.enter_context(torch.autocast(d, enabled=False))
-    return st
-
-
-def _user_modes() -> tuple:
-    """The dispatch modes active now that the user entered (a fake-quantisation mode, say):
-    the forward's ops ran through them, so the replay runs through them too."""
-    return tuple(m for m in _mode_stack() if not type(m).__module__.startswith(("torch.", "remat_fn.")))
-
-
-def _reenter(modes):
-    """Enter the user's dispatch modes of the forward that are not active now."""
-    if not modes:
-        return _NULL
-    active = _mode_stack()
-    missing = [m for m in modes if not any(m is a for a in active)]
-    if not missing:
-        return _NULL
-    st = contextlib.ExitStack()
-    for m in missing:
-        st.enter_context(m)
-    return st
-
-
-def _states(devices) -> tuple:
-    return tuple(g.get_state() for g in _default_generators(devices))
-
-
-def _default_generators(devices) -> list:
-    out = [torch.default_generator]
-    if "cuda" in devices and torch.cuda.is_initialized():
-        out.append(torch.cuda.default_generators[torch.cuda.current_device()])
-    return out
-
-
-def _devices(args, kwargs) -> set:
-    return {x.device.type for x in optree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
 
 
 class Tape:
@@ -323,22 +149,22 @@ class Tape:
         # storage keys of tensors without a storage of their own (a wrapper subclass that
         # does not say what it wraps): id -> (key, weak ref); a view shares its base's
         self.synth: dict[int, tuple] = {}
-        self.modes = _user_modes()  # re-entered by the replay (see _reenter)
-        self.unsettled: list[Node] = []  # writing nodes whose ``bumped`` is not known yet
+        self.writes_to: dict[int, list] = {}  # storage -> (node, Value) of each write into it, in order
 
-    def settle_bumps(self) -> None:
-        """Whether each write recorded since the last call moved a version: autograd moves
-        it after the op has returned through the recording mode, so this is asked at the
-        next op (and once the forward is over)."""
-        for node in self.unsettled:
-            node.bumped = any((t := ref()) is not None and version_of(t) != v for ref, v in node.bumped)
-        self.unsettled = []
+    def first_write(self, key: int, pos: int):
+        """The first write into storage ``key`` by node ``pos`` or later, if only views and
+        detaches run before it (it is the op being dispatched at ``pos``): (node, Value), or None."""
+        for k, v in self.writes_to.get(key, ()):
+            if k >= pos:
+                ok = all(self.nodes[j].func.is_view or self.nodes[j].func is _DETACH for j in range(pos, k))
+                return (k, v) if ok else None
+        return None
 
     # -- forward -------------------------------------------------------------
     def key(self, t: torch.Tensor) -> int:
-        """``t``'s storage (see _ptr); for a wrapper without one, a key of its own that its
+        """``t``'s storage (see storage_key); for a wrapper without one, a key of its own that its
         views share, so writes through them are tracked all the same."""
-        p = _ptr(t)
+        p = storage_key(t)
         if p or has_storage(t):
             return p
         e = self.synth.get(id(t))
@@ -383,8 +209,8 @@ class Tape:
         return self.last_write.get(self.key(t)) if self.last_write else None
 
     def before(self, func, key, args, kwargs) -> Node:
-        info = _info(func)
-        if _simple(args, kwargs):  # (most ops: tensors only as positional arguments)
+        info = op_info(func)
+        if simple_args(args, kwargs):  # (most ops: tensors only as positional arguments)
             flat, spec = list(args), None
         else:
             flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
@@ -393,8 +219,6 @@ class Tape:
                 f"remat: the region calls {func} on a storage: the recorded forward cannot replay a "
                 "tensor re-pointed at other memory (its writes would be lost). Fix: make that alias "
                 "outside the region, or use a view (x.view, x.as_strided) of the tensor instead.")
-        if self.unsettled:
-            self.settle_bumps()
         reads = []
         shapes = [] if self.func_path else None
         last = self.last_write
@@ -412,20 +236,17 @@ class Tape:
                         reads.append(w)
         rng = None
         if info[1]:
-            g = _generator(func, args, kwargs, info[6])
+            g = generator_of(func, args, kwargs, info[6])
             if g is not None:
                 rng = (g, None)  # (its state is read right before the op runs: see draw)
         node = Node(func, flat, spec, kwargs if spec is None else None, reads, rng, key)
         if info[7]:  # a custom op: it draws if a default generator moves (see after)
-            node.probe = (_devices(args, kwargs),)
-            node.probe += (_states(node.probe[0]),)
+            node.probe = (devices_of(args, kwargs),)
+            node.probe += (default_states(node.probe[0]),)
         if shapes is not None:  # (as arg_shapes gives them: the tensor leaves, in order)
             node.shapes = tuple(shapes)
         if info[0]:
-            written = written_tensors(func, args, kwargs)
-            node.bumped = [(weakref.ref(t), version_of(t)) for t in written]
-            self.unsettled.append(node)
-            for t in written:
+            for t in written_tensors(func, args, kwargs):
                 p = self.key(t)
                 if p and (p in self.outside or p in self.written_outside):
                     self.written_outside.add(p)
@@ -468,8 +289,8 @@ class Tape:
         k = len(self.nodes)
         self.nodes.append(node)
         reg = self.reg
-        leaves = out if type(out) in _SEQ else (out,)
-        writes, _, view, dynamic, _, _, gen, _ = _info(node.func)
+        leaves = out if type(out) in SEQ else (out,)
+        writes, _, view, dynamic, _, _, gen, _ = op_info(node.func)
         if self.func_path:
             node.meta = (type(out) if type(out) in (tuple, list) else None,
                          [(t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else None
@@ -477,13 +298,13 @@ class Tape:
         if node.probe is not None:
             devices, states = node.probe
             node.probe = None
-            if any(not torch.equal(a, b) for a, b in zip(states, _states(devices))):
-                node.held = [_held(t) for t in leaves]
+            if any(not torch.equal(a, b) for a, b in zip(states, default_states(devices))):
+                node.held = [held_copy(t) for t in leaves]
                 node.rng = (torch.default_generator, states[0])  # (for restore_rng)
         elif node.rng is not None and gen is None:
             # a random op that takes no generator (native_dropout, rand): replaying it would
             # have to set a generator other threads draw from; its outputs are kept instead
-            node.held = [_held(t) for t in leaves]
+            node.held = [held_copy(t) for t in leaves]
         outs = node.outs
         for i, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
@@ -492,7 +313,7 @@ class Tape:
                 outs.append(v)
                 if self.last_write and not view and not writes:  # (a freed storage reused)
                     self.last_write.pop(self.key(t), None)
-                elif (view or node.func in _ALIASING) and not has_storage(t) and not _ptr(t):
+                elif (view or node.func in ALIASING) and not has_storage(t) and not storage_key(t):
                     a = node.flat[0] if node.spec is None else None
                     if isinstance(args[0] if args else None, torch.Tensor) and type(a) is Value:
                         self.synth[id(t)] = (self.key(args[0]), weakref.ref(t))
@@ -513,6 +334,7 @@ class Tape:
                 p = self.key(t)
                 if p:
                     self.last_write[p] = v
+                    self.writes_to.setdefault(p, []).append((k, v))
 
     # -- plan ----------------------------------------------------------------
     def kept_by(self, rec):
@@ -541,7 +363,7 @@ class Tape:
         """The Values of the arguments node ``n`` writes (all its tensor arguments when
         they were recorded flattened)."""
         if n.spec is None:
-            return [n.flat[i] for i, _ in _info(n.func)[0] if i < len(n.flat) and type(n.flat[i]) is Value]
+            return [n.flat[i] for i, _ in op_info(n.func)[0] if i < len(n.flat) and type(n.flat[i]) is Value]
         return [x for x in n.flat if type(x) is Value]
 
     def _bases(self, v: Value) -> list:
@@ -555,7 +377,7 @@ class Tape:
             seen.add(id(v))
             out.append(v)
             n = self.nodes[v.node]
-            if n.func.is_view or n.func in _ALIASING:
+            if n.func.is_view or n.func in ALIASING:
                 todo.extend(n.reads[:1])
             elif any(w is v for _, w in n.writes):
                 todo.extend(self._written_values(n))
@@ -604,6 +426,7 @@ class Tape:
         self.written_outside = set()
         self.storage_copies = {}
         self.synth = {}
+        self.writes_to = {}
         used = {id(v) for v in used_outside}
         for v in self.stale:
             if id(v) not in used:
@@ -654,7 +477,7 @@ class Tape:
             t = v.t
             if version_of(t) != v.version:
                 raise mutated_outside(name, t, v.version, version_of(t))
-            if v.sid and _storage_id(t) != v.sid:  # (``p.data = other``: no version bump)
+            if v.sid and storage_id(t) != v.sid:  # (``p.data = other``: no version bump)
                 raise replaced_outside(name, t)
         env[id(v)] = t
         return t
@@ -689,7 +512,7 @@ class Tape:
         if grad:
             torch.set_grad_enabled(False)
         try:
-            with _no_autocast(), _reenter(self.modes):
+            with no_autocast():
                 return self._run_nodes(run, targets, get, env)
         finally:
             if grad:
@@ -717,7 +540,7 @@ class Tape:
                 guard = _copy_before_write(guard, k, written_tensors(node.func, args, kwargs), env, result)
             out = run_recorded(node, args, kwargs)
             outs = node.outs
-            if type(out) in _SEQ:
+            if type(out) in SEQ:
                 for v, t in zip(outs, out):
                     if v is not None:
                         env[id(v)] = t
@@ -747,12 +570,12 @@ class Tape:
 def _copy_before_write(guard, k, written, env, result) -> list:
     """Node ``k`` writes ``written``: each target saved before it (``pos <= k``) whose tensor
     it writes is handed out as a copy taken now.  Returns the targets still guarded."""
-    hit = {p for t in written if (p := _ptr(t))}
+    hit = {p for t in written if (p := storage_key(t))}
     rest = []
     for i, v, pos in guard:
         if pos <= k:
             t = env.get(id(v))
-            if t is not None and _ptr(t) in hit:
+            if t is not None and storage_key(t) in hit:
                 result[i] = t.clone()
                 continue
         rest.append((i, v, pos))
@@ -770,58 +593,6 @@ def _from_copy(v: Value, env: dict) -> torch.Tensor:
         st = env[id(snap)] = snap.storage.clone()
     dtype, device, offset, size, stride = v.geom
     return torch.empty(0, dtype=dtype, device=device).set_(st, offset, size, stride)
-
-
-def draw(node: Node, func, args, kwargs):
-    """Run ``func`` for ``node`` in the forward.  A random op that takes a generator draws
-    from a private one set to its generator's state, which then moves on as if the op had
-    drawn from it: the replay starts from exactly the state the op drew from, whatever
-    other threads draw meanwhile.  (One that takes none runs as it is: its outputs are held.)"""
-    rng = node.rng
-    if rng is None:
-        return func(*args, **kwargs)
-    g = rng[0]
-    state = g.get_state()
-    node.rng = (g, state)
-    if node.probe is not None or _info(func)[6] is None:
-        return func(*args, **kwargs)
-    mine = _private(g, state)
-    out = _with_generator(node.func, args, kwargs, mine)
-    g.set_state(mine.get_state())
-    return out
-
-
-def _private(g, state) -> torch.Generator:
-    mine = torch.Generator(device=g.device)
-    mine.set_state(state)
-    return mine
-
-
-def _with_generator(func, args, kwargs, g):
-    pos, name = _info(func)[6]
-    if pos < len(args):
-        args = list(args)
-        args[pos] = g
-    else:
-        kwargs = {**kwargs, name: g}
-    return func(*args, **kwargs)
-
-
-def _held(t):
-    return t.detach() if isinstance(t, torch.Tensor) else t
-
-
-def run_recorded(node: Node, args, kwargs):
-    """Run ``node``'s op on ``args``; a random op draws the forward's numbers from a
-    private generator set to the recorded state (never from one other threads see)."""
-    rng = node.rng
-    if rng is None:
-        return node.func(*args, **kwargs)
-    if node.held is not None:  # (a re-run of the function reaching it: copies of what it made)
-        leaves = [t.clone() if isinstance(t, torch.Tensor) else t for t in node.held]
-        rets = schema(node.func).returns
-        return leaves[0] if len(rets) == 1 and str(rets[0].type) == "Tensor" else tuple(leaves)
-    return _with_generator(node.func, args, kwargs, _private(*rng))
 
 
 def redirect_writes(node, args, kwargs):
@@ -863,7 +634,7 @@ def private_copies(tensors, pre_write: dict) -> dict:
         if any_batched(t):  # (a per-model slice of stacked buffers under vmap: not rebuilt)
             continue
         b = unwrap_all(t)
-        p = _ptr(b) if b.layout == torch.strided else 0
+        p = storage_key(b) if b.layout == torch.strided else 0
         st = pre_write.get(p)
         if st is not None:
             if p not in copies:

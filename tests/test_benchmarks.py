@@ -54,6 +54,25 @@ def test_sections_run_and_report_spread(tmp_path):
     assert grad_row["remat"] < grad_row["no remat"]
 
 
+def test_replay_section_reports_backward_peaks_and_recording_time(tmp_path):
+    pytest.importorskip("transformers")
+    proc = _cli("--quick", "--only", "replay", "--out", str(tmp_path), "--no-plot")
+    assert proc.returncode == 0, proc.stderr
+    assert "## Replay: live bytes during backward" in proc.stdout
+    r = json.loads((tmp_path / "results.json").read_text())["replay"]
+    chain = r["chain"]["rows"]
+    assert 2.5 <= chain["torch"]["backward_peak_MiB"] <= 3.5  # input grad, incoming grad, one recomputed value
+    for kind in ("gpt2", "llama"):
+        rows = r[kind]["rows"]
+        assert set(rows) == {"none", "torch", "compat", "torch_sac", "dots"}
+        assert all(row["backward_peak_MiB"] >= row["after_forward_MiB"] > 0 for row in rows.values())
+        assert rows["torch"]["backward_peak_MiB"] < rows["none"]["backward_peak_MiB"]
+    for row in r["recording"]["rows"]:
+        assert row["ops"] >= 2 * row["n"]
+        for med, lo, hi in row["us_per_op"].values():
+            assert lo <= med <= hi
+
+
 def test_rejects_unknown_section(tmp_path):
     proc = _cli("--only", "nope", "--out", str(tmp_path))
     assert proc.returncode != 0 and "unknown section" in proc.stderr

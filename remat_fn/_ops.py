@@ -1,0 +1,290 @@
+"""What the tape knows of an aten op, and how a recorded op runs.
+
+:func:`op_info` caches, per op, the arguments it writes, whether it draws random
+numbers (tagged ``nondeterministic_seeded``, taking a ``Generator``, or a custom op
+outside ``aten``/``prims``, which may draw without saying so), whether it is a view
+and whether its output shape depends on data.  :func:`draw` runs a random op in the
+forward from a private generator copied from its own (which then moves on as if the
+op had drawn from it) and :func:`run_recorded` replays it from another private
+generator set to that state: the replay draws the forward's bits and never sets a
+generator that other threads draw from.  :func:`lift_user_modes` lets the region
+record below the dispatch modes the user entered, so the tape holds the ops those
+modes issue.  Storage identity (:func:`storage_key`, :func:`has_storage`) covers
+``nn.Parameter`` subclasses, wrapper subclasses and empty storages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import optree
+import torch
+
+from ._torch_internals import any_autocast_enabled, schema
+from ._torch_internals import mode_stack as _mode_stack
+from ._torch_internals import pop_mode as _pop_mode
+
+__all__ = [
+    "op_info", "storage_key", "storage_id", "simple_args", "generator_of", "default_states", "devices_of", "held_copy",
+    "no_autocast", "ALIASING", "SEQ", "draw", "run_recorded", "lift_user_modes", "written_tensors", "arg_shapes",
+    "arg_meta", "has_storage", "PLAIN", "METADATA_ONLY", "single_output",
+]
+
+_NULL = contextlib.nullcontext()
+_SEEDED = torch.Tag.nondeterministic_seeded
+_DYNAMIC = tuple(t for t in (getattr(torch.Tag, "dynamic_output_shape", None),
+                             getattr(torch.Tag, "data_dependent_output", None)) if t is not None)
+
+
+# ops that update BatchNorm's running statistics in place although their schema does
+# not say so (the ``training`` flag is argument 5)
+_UNDECLARED = tuple(getattr(getattr(torch.ops.aten, n, None), "default", None)
+                    for n in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"))
+
+
+def _writes_of(func) -> tuple:
+    """(position, name) of the arguments ``func`` writes in place (cached by :func:`op_info`)."""
+    args = schema(func).arguments
+    if func in _UNDECLARED:
+        return ((3, args[3].name), (4, args[4].name))
+    return tuple((i, a.name) for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
+
+
+SEQ = (tuple, list)
+# ops whose output shares its first argument's storage without being marked a view
+ALIASING = tuple(getattr(torch.ops.aten, n).default for n in ("_unsafe_view",) if hasattr(torch.ops.aten, n))
+_INFO: dict[Any, tuple] = {}
+
+
+def op_info(func) -> tuple:
+    """(written positions, draws random numbers, is a view, output shape depends on data,
+    takes a storage, the op, (position, name) of its generator argument or None, an op
+    outside aten and prims that may draw without saying so: a custom op)"""
+    i = _INFO.get(id(func))  # (by id: an op's own hash is Python code; the op is held below)
+    if i is None:
+        tags = func.tags
+        args = schema(func).arguments
+        gen = next(((k, a.name) for k, a in enumerate(args) if "Generator" in str(a.type)), None)
+        i = _INFO[id(func)] = (_writes_of(func), _SEEDED in tags or gen is not None, func.is_view,
+                               any(t in tags for t in _DYNAMIC),
+                               any("Storage" in str(a.type) for a in args), func, gen,
+                               func.namespace not in ("aten", "prims"))
+    return i
+
+
+def simple_args(args, kwargs) -> bool:
+    """No tensor among ``kwargs`` or inside a list argument."""
+    for a in args:
+        if type(a) in SEQ:
+            for e in a:
+                if isinstance(e, torch.Tensor):
+                    return False
+    if kwargs:
+        for v in kwargs.values():
+            if isinstance(v, torch.Tensor):
+                return False
+            if type(v) in SEQ:
+                for e in v:
+                    if isinstance(e, torch.Tensor):
+                        return False
+    return True
+
+
+def written_tensors(func, args, kwargs) -> list:
+    out = []
+    for i, name in op_info(func)[0]:
+        v = args[i] if i < len(args) else kwargs.get(name)
+        for t in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
+
+
+# tensors whose storage can be asked for (a subclass may have none)
+PLAIN = (torch.Tensor, torch.nn.Parameter)
+_NO_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+def has_storage(t: torch.Tensor) -> bool:
+    """A tensor whose own storage holds its values: a plain tensor, an ``nn.Parameter``
+    (subclasses too) or any subclass without a ``__torch_dispatch__`` of its own."""
+    tp = type(t)
+    return tp in PLAIN or tp.__torch_dispatch__ is _NO_DISPATCH
+
+
+def arg_shapes(args, kwargs) -> tuple:
+    if simple_args(args, kwargs):
+        return tuple(t.shape for t in args if isinstance(t, torch.Tensor))
+    return tuple(t.shape for t in optree.tree_leaves((args, kwargs), none_is_leaf=True)
+                 if isinstance(t, torch.Tensor))
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage object: the same across a resize (FSDP frees and
+    gathers a parameter's memory in place), another after ``p.data = other``."""
+    try:
+        return t.untyped_storage()._cdata if has_storage(t) else 0
+    except (RuntimeError, NotImplementedError):  # pragma: no cover - no storage
+        return 0
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The storage of ``t`` (0: none, or an empty one, which aliases nothing).  A wrapper
+    subclass that says what it wraps (``__tensor_flatten__``: DTensor's local shard) has the
+    storage of the first tensor it wraps; another wrapper (asking can abort the process)
+    none (see Tape.key)."""
+    if type(t) not in PLAIN and not has_storage(t):
+        flatten = getattr(t, "__tensor_flatten__", None)
+        if flatten is None:
+            return 0
+        try:
+            names = flatten()[0]
+            return storage_key(getattr(t, names[0])) if names else 0
+        except Exception:  # pragma: no cover - a subclass's own protocol failing
+            return 0
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return 0
+    return st.data_ptr() if st.nbytes() else 0
+
+
+def generator_of(func, args, kwargs, pos):
+    """The generator an op draws from: its generator argument (``pos``: (position, name)),
+    else the default generator of its device."""
+    g = kwargs.get("generator")
+    if g is None and pos is not None and pos[0] < len(args):
+        g = args[pos[0]]
+    if g is not None:
+        return g
+    dev = kwargs.get("device")
+    if dev is None:
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                dev = a.device
+                break
+    dev = torch.device(dev) if dev is not None else torch.device("cpu")
+    if dev.type == "cpu":
+        return torch.default_generator
+    if dev.type == "cuda":
+        return torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()]
+    return None  # pragma: no cover - other devices: no per-op state (the region snapshot covers them)
+
+
+def no_autocast():
+    """The recorded ops are the ones autocast already chose: replay them as they are."""
+    if any_autocast_enabled is not None and not any_autocast_enabled():
+        return _NULL
+    on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    if not on:
+        return _NULL
+    st = contextlib.ExitStack()
+    for d in on:
+        st.enter_context(torch.autocast(d, enabled=False))
+    return st
+
+
+def lift_user_modes() -> list:
+    """Pop the dispatch modes the user entered (a fake-quantisation mode, say) and every
+    mode above them; the caller pushes the region's recording mode, then these again on
+    top of it: the tape records the ops those modes issue, so the replay needs no mode
+    (a counter active in the forward does not count the replay; one that rounds products
+    has its rounding on the tape).  Returns them, bottom first."""
+    stack = _mode_stack()
+    low = next((i for i, m in enumerate(stack) if not type(m).__module__.startswith(("torch.", "remat_fn."))), None)
+    if low is None:
+        return []
+    lifted = stack[low:]
+    for _ in lifted:
+        _pop_mode()
+    return lifted
+
+
+def default_states(devices) -> tuple:
+    return tuple(g.get_state() for g in _default_generators(devices))
+
+
+def _default_generators(devices) -> list:
+    out = [torch.default_generator]
+    if "cuda" in devices and torch.cuda.is_initialized():
+        out.append(torch.cuda.default_generators[torch.cuda.current_device()])
+    return out
+
+
+def devices_of(args, kwargs) -> set:
+    return {x.device.type for x in optree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
+
+
+def draw(node, func, args, kwargs):
+    """Run ``func`` for ``node`` in the forward.  A random op that takes a generator draws
+    from a private one set to its generator's state, which then moves on as if the op had
+    drawn from it: the replay starts from exactly the state the op drew from, whatever
+    other threads draw meanwhile.  (One that takes none runs as it is: its outputs are held.)"""
+    rng = node.rng
+    if rng is None:
+        return func(*args, **kwargs)
+    g = rng[0]
+    state = g.get_state()
+    node.rng = (g, state)
+    if node.probe is not None or op_info(func)[6] is None:
+        return func(*args, **kwargs)
+    mine = _private(g, state)
+    out = _with_generator(node.func, args, kwargs, mine)
+    g.set_state(mine.get_state())
+    return out
+
+
+def _private(g, state) -> torch.Generator:
+    mine = torch.Generator(device=g.device)
+    mine.set_state(state)
+    return mine
+
+
+def _with_generator(func, args, kwargs, g):
+    pos, name = op_info(func)[6]
+    if pos < len(args):
+        args = list(args)
+        args[pos] = g
+    else:
+        kwargs = {**kwargs, name: g}
+    return func(*args, **kwargs)
+
+
+def held_copy(t):
+    return t.detach() if isinstance(t, torch.Tensor) else t
+
+
+def run_recorded(node, args, kwargs):
+    """Run ``node``'s op on ``args``; a random op draws the forward's numbers from a
+    private generator set to the recorded state (never from one other threads see)."""
+    rng = node.rng
+    if rng is None:
+        return node.func(*args, **kwargs)
+    if node.held is not None:  # (a re-run of the function reaching it: copies of what it made)
+        leaves = [t.clone() if isinstance(t, torch.Tensor) else t for t in node.held]
+        rets = schema(node.func).returns
+        return leaves[0] if len(rets) == 1 and str(rets[0].type) == "Tensor" else tuple(leaves)
+    return _with_generator(node.func, args, kwargs, _private(*rng))
+
+
+# in-place ops that change only a tensor's sizes and strides, not its data (matmul on
+# a 1-D operand ends in squeeze_): a kept value they touch needs no copy
+METADATA_ONLY = frozenset(
+    p for p in (getattr(torch.ops.aten, n, None) for n in (
+        "squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_", "as_strided_", "detach_"))
+    if p is not None
+)
+
+
+def arg_meta(args) -> tuple:
+    """(shape, dtype) of each tensor among ``args``."""
+    return tuple(
+        (tuple(a.shape), a.dtype) for a in optree.tree_leaves(args) if isinstance(a, torch.Tensor)
+    )
+
+
+def single_output(func) -> bool:
+    """The op returns one tensor."""
+    rets = schema(func).returns
+    return len(rets) == 1 and str(rets[0].type) == "Tensor"
