@@ -240,7 +240,9 @@ class Tape:
             if g is not None:
                 rng = (g, None)  # (its state is read right before the op runs: see draw)
         node = Node(func, flat, spec, kwargs if spec is None else None, reads, rng, key)
-        if info[7]:  # a custom op: it draws if a default generator moves (see after)
+        if info[7] or (rng is not None and info[6] is None):
+            # a custom op, or a random op that takes no generator (attention with dropout_p):
+            # it draws if a default generator moves (see after)
             node.probe = (devices_of(args, kwargs),)
             node.probe += (default_states(node.probe[0]),)
         if shapes is not None:  # (as arg_shapes gives them: the tensor leaves, in order)
@@ -299,12 +301,12 @@ class Tape:
             devices, states = node.probe
             node.probe = None
             if any(not torch.equal(a, b) for a, b in zip(states, default_states(devices))):
+                # it drew, and takes no generator to hand a private one: replaying it would
+                # set a generator other threads draw from; its outputs are kept instead
                 node.held = [held_copy(t) for t in leaves]
                 node.rng = (torch.default_generator, states[0])  # (for restore_rng)
-        elif node.rng is not None and gen is None:
-            # a random op that takes no generator (native_dropout, rand): replaying it would
-            # have to set a generator other threads draw from; its outputs are kept instead
-            node.held = [held_copy(t) for t in leaves]
+            else:
+                node.rng = None  # (it drew nothing: dropout_p=0, eval mode)
         outs = node.outs
         for i, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):

@@ -174,3 +174,27 @@ def test_gpt2_training_step_under_cpu_autocast_equals_torch_checkpoint(dtype):
         assert fn.calls > 0
         results.append([p.detach().clone() for p in model.parameters()])
     assert_tree_close(results[0], results[1], exact=True)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_gpt2_step_holds_no_more_than_torch_checkpoint(dropout):
+    """Live tensor bytes after the forward and at the backward's peak: remat_fn.compat's
+    checkpoint per layer against torch's (the replay frees each value after its last use;
+    attention that draws nothing holds nothing)."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    from remat_fn.memory import LiveBytes
+
+    ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))
+    found = {}
+    for name, fn in (("torch", torch_checkpoint), ("remat", remat_fn.compat.checkpoint)):
+        model = enable(gpt2(dropout, n_layer=3, n_embd=64), functools.partial(fn, use_reentrant=False))
+        model.train()
+        with LiveBytes() as fwd:
+            loss = model(input_ids=ids, labels=ids).loss
+        after = fwd.live
+        with LiveBytes() as bwd:
+            loss.backward()
+        found[name] = (after, bwd.peak)
+    assert found["remat"][0] <= found["torch"][0] * 1.01, found
+    assert found["remat"][1] <= found["torch"][1] * 1.01, found
