@@ -163,9 +163,9 @@ def from_graph(spec, tensors, wrt, grads) -> tuple:
 def note_storage(found: dict[int, int], t: torch.Tensor) -> None:
     try:
         st = unwrap_all(t).untyped_storage()
-    except (RuntimeError, NotImplementedError):
+        found.setdefault(st.data_ptr(), st.nbytes())
+    except (RuntimeError, NotImplementedError):  # (no storage, or a wrapper subclass's)
         return
-    found.setdefault(st.data_ptr(), st.nbytes())
 
 
 def can_drop_graph(saved, grads) -> bool:

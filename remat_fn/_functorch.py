@@ -147,7 +147,12 @@ def carries_grad(t: torch.Tensor) -> bool:
     history (in plain code such a view does not require grad): a view without
     a ``grad_fn`` carries none.
     """
-    return t.requires_grad and (t.grad_fn is not None or not is_view(t))
+    if not t.requires_grad:
+        return False
+    try:
+        return t.grad_fn is not None or not is_view(t)
+    except RuntimeError:  # (a no_grad view written in place: autograd refuses it a history)
+        return False
 
 
 def from_lowered_level(t: torch.Tensor) -> bool:

@@ -257,6 +257,33 @@ def test_subclass_buffer_updated_inside_the_region_is_no_false_refusal():
     _close(bufs[1], bufs[0])
 
 
+def test_dtensor_written_through_a_view(tmp_path):
+    """Tensor-parallel activations: a DTensor (one rank here) written through a view."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group of the caller's")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+
+        def f(x):
+            h = x * 3
+            h[0:2].mul_(2)
+            return h.sin().sum()
+
+        grads = []
+        for wrap in (ident, remat):
+            x = distribute_tensor(torch.linspace(0, 1, 4, dtype=D), mesh, [Replicate()]).requires_grad_()
+            wrap(f)(x).backward()
+            grads.append(x.grad.full_tensor())
+        _close(grads[1], grads[0])
+    finally:
+        dist.destroy_process_group()
+
+
 # -- 6: a write through one alias of an outside tensor reaches the others -------------------
 
 def _alias_case(kind):
