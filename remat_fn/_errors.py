@@ -12,7 +12,6 @@ __all__ = [
     "MutatedSavedTensorError",
     "PolicyError",
     "mutated_input",
-    "replaced_outside",
 ]
 
 
@@ -53,16 +52,4 @@ def mutated_outside(name: str, t: torch.Tensor, old: int, new: int) -> MutatedSa
         "argument, a parameter, a buffer or a tensor it closes over) was modified in place after "
         f"the forward (version {old} -> {new}). Fix: clone it before modifying it (x = x.clone()), "
         "or apply the in-place update (e.g. optimizer.step()) after the backward pass."
-    )
-
-
-def replaced_outside(name: str, t: torch.Tensor) -> MutatedSavedTensorError:
-    """The error for an outside tensor the recomputation reads whose memory was replaced
-    since the forward (``p.data = other``, which bumps no version)."""
-    return MutatedSavedTensorError(
-        f"The tensor {describe(t)} that remat({name}) reads to recompute its saved values (an "
-        "argument, a parameter, a buffer or a tensor it closes over) was given other memory after "
-        "the forward (p.data = ..., or set_), so backward would use the new values. Fix: replace "
-        "it after the backward pass, or copy into it in place (with torch.no_grad(): p.copy_(new)) "
-        "so that the change is tracked."
     )

@@ -21,13 +21,13 @@ from typing import Any
 import optree
 import torch
 
-from ._torch_internals import any_autocast_enabled, schema
+from ._torch_internals import any_autocast_enabled, push_mode, schema
 from ._torch_internals import mode_stack as _mode_stack
 from ._torch_internals import pop_mode as _pop_mode
 
 __all__ = [
     "op_info", "storage_key", "storage_id", "simple_args", "generator_of", "default_states", "devices_of", "held_copy",
-    "no_autocast", "ALIASING", "SEQ", "draw", "run_recorded", "lift_user_modes", "written_tensors", "arg_shapes",
+    "no_autocast", "ALIASING", "SEQ", "draw", "run_recorded", "lift_user_modes", "lift_modes", "push_mode", "written_tensors", "arg_shapes",
     "arg_meta", "has_storage", "PLAIN", "METADATA_ONLY", "single_output",
 ]
 
@@ -188,11 +188,25 @@ def no_autocast():
 def lift_user_modes() -> list:
     """Pop the dispatch modes the user entered (a fake-quantisation mode, say) and every
     mode above them; the caller pushes the region's recording mode, then these again on
-    top of it: the tape records the ops those modes issue, so the replay needs no mode
-    (a counter active in the forward does not count the replay; one that rounds products
-    has its rounding on the tape).  Returns them, bottom first."""
+    top of it: the tape records the ops those modes issue, and the replay runs below them
+    too (:func:`lift_modes`), so a mode acts once (a counter active in the forward does not
+    count the replay; one that rounds products has its rounding on the tape).  Returns
+    them, bottom first."""
     stack = _mode_stack()
     low = next((i for i, m in enumerate(stack) if not type(m).__module__.startswith(("torch.", "remat_fn."))), None)
+    return _pop_from(stack, low)
+
+
+def lift_modes(modes) -> list:
+    """Pop the lowest of ``modes`` that is active now and every mode above it (the caller
+    pushes them back, bottom first): the replay runs below the modes the forward was
+    recorded below."""
+    stack = _mode_stack()
+    low = next((i for i, m in enumerate(stack) if any(m is x for x in modes)), None)
+    return _pop_from(stack, low)
+
+
+def _pop_from(stack, low) -> list:
     if low is None:
         return []
     lifted = stack[low:]
@@ -261,8 +275,10 @@ def run_recorded(node, args, kwargs):
     rng = node.rng
     if rng is None:
         return node.func(*args, **kwargs)
-    if node.held is not None:  # (a re-run of the function reaching it: copies of what it made)
-        leaves = [t.clone() if isinstance(t, torch.Tensor) else t for t in node.held]
+    if node.held is not None:  # (copies of what it made; its writes copied into its arguments)
+        for n, t in enumerate(written_tensors(node.func, args, kwargs)):
+            t.copy_(node.held[-1 - n])
+        leaves = [t.clone() if isinstance(t, torch.Tensor) else t for i, t in sorted(node.held.items()) if i >= 0]
         rets = schema(node.func).returns
         return leaves[0] if len(rets) == 1 and str(rets[0].type) == "Tensor" else tuple(leaves)
     return _with_generator(node.func, args, kwargs, _private(*rng))

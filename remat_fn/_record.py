@@ -477,6 +477,8 @@ class SaveMode(TorchDispatchMode):
         stack.append(self)
         # (recording: below the user's modes, see lift_user_modes)
         self.lifted = lift_user_modes() if not self.recompute and dispatch_stack_len() else ()
+        if self.lifted and self.tape is not None:
+            self.tape.modes = self.lifted  # (the replay runs below them too)
         out = super().__enter__()
         for m in self.lifted:
             push_mode(m)
@@ -528,7 +530,7 @@ class SaveMode(TorchDispatchMode):
                 rec.seq_nodes.append(len(tape.nodes))
             if rec.entries and schema(func).is_mutable and func.overloadpacket not in METADATA_ONLY:
                 rec.before_mutation(func, args, kwargs)
-        out = func(*args, **kwargs) if node is None else draw(node, func, args, kwargs)
+        out = func(*args, **kwargs) if node is None or node.rng is None else draw(node, func, args, kwargs)
         if node is not None:
             tape.after(node, out, args, kwargs)
         if rec is not None:

@@ -35,7 +35,7 @@ from typing import Any
 import optree
 import torch
 
-from ._errors import RematError, mutated_outside, replaced_outside
+from ._errors import RematError, mutated_outside
 from ._functorch import any_batched, unwrap_all
 from ._ops import (
     ALIASING,
@@ -46,11 +46,12 @@ from ._ops import (
     generator_of,
     has_storage,
     held_copy,
+    lift_modes,
     no_autocast,
     op_info,
+    push_mode,
     run_recorded,
     simple_args,
-    storage_id,
     storage_key,
     written_tensors,
 )
@@ -77,7 +78,7 @@ class Value:
     """A tensor value of the region: output ``idx`` of node ``node`` (``node >= 0``), or
     an outside tensor ``t`` at ``version`` (``node == -1``)."""
 
-    __slots__ = ("node", "idx", "t", "version", "snap", "store", "ptr", "geom", "sid")
+    __slots__ = ("node", "idx", "t", "version", "snap", "store", "ptr", "geom")
 
     def __init__(self, node: int, idx: int, t=None, version: int = 0, ptr: int = 0):
         self.node = node
@@ -90,7 +91,6 @@ class Value:
         self.store = None  # (packed, unpack): stored through enclosing hooks
         self.ptr = ptr
         self.geom = None  # (dtype, device, storage offset, size, stride), with a StorageCopy
-        self.sid = storage_id(t) if t is not None and ptr > 0 else 0  # (see Tape.outside_value)
 
     def __repr__(self):  # pragma: no cover - debugging aid
         return f"Value(node={self.node}, idx={self.idx})" if self.node >= 0 else "Value(outside)"
@@ -120,7 +120,7 @@ class Node:
         self.shapes: tuple | None = None  # argument shapes, on the torch.func path
         # the outputs themselves, for a random op that cannot be handed a private generator
         # (the replay never touches a generator other threads draw from): see Tape.after
-        self.held: list | None = None
+        self.held: dict | None = None  # output index (or -1-n: written argument n) -> tensor
         self.probe = None  # generator states before an op that may draw (a custom op)
 
 
@@ -150,13 +150,19 @@ class Tape:
         # does not say what it wraps): id -> (key, weak ref); a view shares its base's
         self.synth: dict[int, tuple] = {}
         self.writes_to: dict[int, list] = {}  # storage -> (node, Value) of each write into it, in order
+        self.held_at: dict[int, list] = {}  # storage -> (node, index) of the held outputs on it
+        self.modes: list = []  # the user's dispatch modes recorded below (see lift_user_modes)
 
     def first_write(self, key: int, pos: int):
-        """The first write into storage ``key`` by node ``pos`` or later, if only views and
-        detaches run before it (it is the op being dispatched at ``pos``): (node, Value), or None."""
+        """The write autograd expects into a tensor it saved at ``pos``: the first write into
+        storage ``key`` from ``pos`` on, if it is by the op being dispatched then (only views
+        and detaches before it) and writes an argument it does not return (rrelu_with_noise's
+        ``noise``; an in-place or ``out=`` op returns what it writes, and moves its version).
+        (node, Value), or None."""
         for k, v in self.writes_to.get(key, ()):
             if k >= pos:
-                ok = all(self.nodes[j].func.is_view or self.nodes[j].func is _DETACH for j in range(pos, k))
+                ok = v.idx < 0 and all(self.nodes[j].func.is_view or self.nodes[j].func is _DETACH
+                                       for j in range(pos, k))
                 return (k, v) if ok else None
         return None
 
@@ -250,6 +256,8 @@ class Tape:
         if info[0]:
             for t in written_tensors(func, args, kwargs):
                 p = self.key(t)
+                for n, i in self.held_at.pop(p, ()) if self.held_at else ():
+                    n.held[i] = n.held[i].clone()  # (a held output written later: keep what it was)
                 if p and (p in self.outside or p in self.written_outside):
                     self.written_outside.add(p)
                     self._snapshot(p, t)
@@ -258,7 +266,7 @@ class Tape:
     def record(self, func, key, args, kwargs):
         """Run ``func`` and record it as the next node."""
         node = self.before(func, key, args, kwargs)
-        out = draw(node, func, args, kwargs)
+        out = func(*args, **kwargs) if node.rng is None else draw(node, func, args, kwargs)
         self.after(node, out, args, kwargs)
         return out
 
@@ -287,6 +295,19 @@ class Tape:
                         v.snap = v.t.clone()
                 self.stale.append(v)
 
+    def _hold(self, node: Node, leaves, args, kwargs) -> None:
+        """Keep a random op's outputs (and the arguments it wrote) instead of replaying it;
+        a later write into one of them reaches a copy taken before it (see before)."""
+        held = {i: held_copy(t) for i, t in enumerate(leaves)}
+        for n, t in enumerate(written_tensors(node.func, args, kwargs)):
+            held[-1 - n] = t.detach().clone()
+        node.held = held
+        for i, t in held.items():
+            if isinstance(t, torch.Tensor) and i >= 0:
+                p = self.key(t)
+                if p:
+                    self.held_at.setdefault(p, []).append((node, i))
+
     def after(self, node: Node, out, args, kwargs) -> None:
         k = len(self.nodes)
         self.nodes.append(node)
@@ -303,7 +324,7 @@ class Tape:
             if any(not torch.equal(a, b) for a, b in zip(states, default_states(devices))):
                 # it drew, and takes no generator to hand a private one: replaying it would
                 # set a generator other threads draw from; its outputs are kept instead
-                node.held = [held_copy(t) for t in leaves]
+                self._hold(node, leaves, args, kwargs)
                 node.rng = (torch.default_generator, states[0])  # (for restore_rng)
             else:
                 node.rng = None  # (it drew nothing: dropout_p=0, eval mode)
@@ -411,7 +432,8 @@ class Tape:
             if v.node < 0:
                 used_outside.add(v)
                 continue
-            if nodes[v.node].held is not None or kept(v):
+            # (a held op's outputs are read as held; a write of one is replayed: see run_recorded)
+            if (v.idx >= 0 and nodes[v.node].held is not None) or kept(v):
                 used_kept.add(v)
                 continue
             if v.node in run:
@@ -429,6 +451,7 @@ class Tape:
         self.storage_copies = {}
         self.synth = {}
         self.writes_to = {}
+        self.held_at = {}
         used = {id(v) for v in used_outside}
         for v in self.stale:
             if id(v) not in used:
@@ -479,8 +502,6 @@ class Tape:
             t = v.t
             if version_of(t) != v.version:
                 raise mutated_outside(name, t, v.version, version_of(t))
-            if v.sid and storage_id(t) != v.sid:  # (``p.data = other``: no version bump)
-                raise replaced_outside(name, t)
         env[id(v)] = t
         return t
 
@@ -514,8 +535,13 @@ class Tape:
         if grad:
             torch.set_grad_enabled(False)
         try:
-            with no_autocast():
-                return self._run_nodes(run, targets, get, env)
+            lifted = lift_modes(self.modes) if self.modes else ()
+            try:
+                with no_autocast():
+                    return self._run_nodes(run, targets, get, env)
+            finally:
+                for m in lifted:
+                    push_mode(m)
         finally:
             if grad:
                 torch.set_grad_enabled(True)
