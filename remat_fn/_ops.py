@@ -21,14 +21,15 @@ from typing import Any
 import optree
 import torch
 
+from ._functorch import any_batched, unwrap_all
 from ._torch_internals import any_autocast_enabled, push_mode, schema
 from ._torch_internals import mode_stack as _mode_stack
 from ._torch_internals import pop_mode as _pop_mode
 
 __all__ = [
-    "op_info", "storage_key", "storage_id", "simple_args", "generator_of", "default_states", "devices_of", "held_copy",
+    "op_info", "storage_key", "simple_args", "generator_of", "default_states", "devices_of", "held_copy",
     "no_autocast", "ALIASING", "SEQ", "draw", "run_recorded", "lift_user_modes", "lift_modes", "push_mode", "written_tensors", "arg_shapes",
-    "arg_meta", "has_storage", "PLAIN", "METADATA_ONLY", "single_output",
+    "arg_meta", "has_storage", "PLAIN", "METADATA_ONLY", "single_output", "placeholder", "private_copies",
 ]
 
 _NULL = contextlib.nullcontext()
@@ -118,15 +119,6 @@ def arg_shapes(args, kwargs) -> tuple:
         return tuple(t.shape for t in args if isinstance(t, torch.Tensor))
     return tuple(t.shape for t in optree.tree_leaves((args, kwargs), none_is_leaf=True)
                  if isinstance(t, torch.Tensor))
-
-
-def storage_id(t: torch.Tensor) -> int:
-    """The identity of ``t``'s storage object: the same across a resize (FSDP frees and
-    gathers a parameter's memory in place), another after ``p.data = other``."""
-    try:
-        return t.untyped_storage()._cdata if has_storage(t) else 0
-    except (RuntimeError, NotImplementedError):  # pragma: no cover - no storage
-        return 0
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -304,3 +296,40 @@ def single_output(func) -> bool:
     """The op returns one tensor."""
     rets = schema(func).returns
     return len(rets) == 1 and str(rets[0].type) == "Tensor"
+
+
+def placeholder(node, args, kwargs):
+    """What a skipped op returns: its written arguments as they are (no write), new
+    tensors of the recorded sizes and strides otherwise (never read: see Tape.plan)."""
+    multi, metas = node.meta
+    written = {n: t for (n, _), t in zip(node.writes, written_tensors(node.func, args, kwargs))} if node.writes else {}
+    alias = {}
+    if written:
+        for i, v in enumerate(node.outs):
+            for n, w in node.writes:
+                if w is v:
+                    alias[i] = written[n]
+    leaves = [alias[i] if i in alias else None if m is None else  # (None: a void op's output)
+              torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3])
+              for i, m in enumerate(metas)]
+    return multi(leaves) if multi is not None else leaves[0]
+
+
+def private_copies(tensors, pre_write: dict) -> dict:
+    """``{id(t): copy}`` for the ``tensors`` (what a region reaches) whose storage the
+    region's forward wrote: each a plain tensor, with ``t``'s geometry, on a fresh copy
+    of the storage as it was before the first write (see ``Tape.pre_write``)."""
+    out: dict = {}
+    copies: dict = {}  # storage -> its one copy (buffers that share a storage share it)
+    for t in tensors:
+        if any_batched(t):  # (a per-model slice of stacked buffers under vmap: not rebuilt)
+            continue
+        b = unwrap_all(t)
+        p = storage_key(b) if b.layout == torch.strided else 0
+        st = pre_write.get(p)
+        if st is not None:
+            if p not in copies:
+                copies[p] = st.clone()
+            out[id(t)] = torch.empty(0, dtype=b.dtype, device=b.device).set_(
+                copies[p], b.storage_offset(), b.size(), b.stride())
+    return out

@@ -68,12 +68,13 @@ from ._functorch import (
     unwrap_if_dead,
 )
 from ._offload import FuncInputs, hint, input_offloads
+from ._ops import private_copies
 from ._path_hooks import Frame, finish_tape
 from ._profile import active, storage_bytes
 from ._record import Diverged, Record, saving
 from ._region import RegionCall
 from ._rng_state import RNGSnapshot
-from ._tape import Tape, private_copies
+from ._tape import Tape
 from ._torch_internals import top_hooks, use_count
 from ._torch_internals import version as version_of
 

@@ -27,9 +27,9 @@ from ._errors import MutatedSavedTensorError, RecomputeMismatchError
 from ._functorch import forward_mode_active, storage_ptr
 from ._functorch import unwrap_all as _base
 from ._offload import Offloader, Stored, hint, meta_args, tag_name
-from ._ops import METADATA_ONLY, arg_meta, arg_shapes, draw, lift_user_modes, run_recorded, single_output
+from ._ops import METADATA_ONLY, arg_meta, arg_shapes, draw, lift_user_modes, placeholder, run_recorded, single_output
 from ._residuals import residual_sink
-from ._tape import placeholder, redirect_writes
+from ._tape import redirect_writes
 from ._torch_internals import DisableTorchFunction, TorchDispatchMode, dispatch_stack_len, pop_mode, push_mode, schema
 from ._torch_internals import version as version_of
 from .policies import NAMED, Offload, PolicyContext, decide

@@ -36,7 +36,6 @@ import optree
 import torch
 
 from ._errors import RematError, mutated_outside
-from ._functorch import any_batched, unwrap_all
 from ._ops import (
     ALIASING,
     SEQ,
@@ -59,7 +58,7 @@ from ._torch_internals import version as version_of
 
 _DETACH = torch.ops.aten.detach.default
 
-__all__ = ["Tape", "Value", "Node", "StorageCopy", "placeholder", "redirect_writes", "private_copies"]
+__all__ = ["Tape", "Value", "Node", "StorageCopy", "redirect_writes"]
 
 _NULL = contextlib.nullcontext()
 class StorageCopy:
@@ -633,40 +632,3 @@ def redirect_writes(node, args, kwargs):
         if type(v) is Value and v.node < 0 and v.snap is not None:
             flat[j] = _from_copy(v, env)
     return (flat, kwargs) if spec is None else optree.tree_unflatten(spec, flat)
-
-
-def placeholder(node, args, kwargs):
-    """What a skipped op returns: its written arguments as they are (no write), new
-    tensors of the recorded sizes and strides otherwise (never read: see Tape.plan)."""
-    multi, metas = node.meta
-    written = {n: t for (n, _), t in zip(node.writes, written_tensors(node.func, args, kwargs))} if node.writes else {}
-    alias = {}
-    if written:
-        for i, v in enumerate(node.outs):
-            for n, w in node.writes:
-                if w is v:
-                    alias[i] = written[n]
-    leaves = [alias[i] if i in alias else None if m is None else  # (None: a void op's output)
-              torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3])
-              for i, m in enumerate(metas)]
-    return multi(leaves) if multi is not None else leaves[0]
-
-
-def private_copies(tensors, pre_write: dict) -> dict:
-    """``{id(t): copy}`` for the ``tensors`` (what a region reaches) whose storage the
-    region's forward wrote: each a plain tensor, with ``t``'s geometry, on a fresh copy
-    of the storage as it was before the first write (see ``Tape.pre_write``)."""
-    out: dict = {}
-    copies: dict = {}  # storage -> its one copy (buffers that share a storage share it)
-    for t in tensors:
-        if any_batched(t):  # (a per-model slice of stacked buffers under vmap: not rebuilt)
-            continue
-        b = unwrap_all(t)
-        p = storage_key(b) if b.layout == torch.strided else 0
-        st = pre_write.get(p)
-        if st is not None:
-            if p not in copies:
-                copies[p] = st.clone()
-            out[id(t)] = torch.empty(0, dtype=b.dtype, device=b.device).set_(
-                copies[p], b.storage_offset(), b.size(), b.stride())
-    return out
