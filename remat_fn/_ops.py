@@ -29,7 +29,7 @@ from ._torch_internals import pop_mode as _pop_mode
 __all__ = [
     "op_info", "storage_key", "simple_args", "generator_of", "default_states", "devices_of", "held_copy",
     "no_autocast", "ALIASING", "SEQ", "draw", "run_recorded", "lift_user_modes", "lift_modes", "push_mode", "written_tensors", "arg_shapes",
-    "arg_meta", "has_storage", "PLAIN", "METADATA_ONLY", "single_output", "placeholder", "private_copies",
+    "arg_meta", "has_storage", "PLAIN", "METADATA_ONLY", "single_output", "placeholder", "private_copies", "DECOMPOSED",
 ]
 
 _NULL = contextlib.nullcontext()
@@ -233,12 +233,23 @@ def draw(node, func, args, kwargs):
     g = rng[0]
     state = g.get_state()
     node.rng = (g, state)
-    if node.probe is not None or op_info(func)[6] is None:
+    if node.probe is not None or (op_info(func)[6] is None and func not in DECOMPOSED):
         return func(*args, **kwargs)
     mine = _private(g, state)
     out = _with_generator(node.func, args, kwargs, mine)
     g.set_state(mine.get_state())
     return out
+
+
+_A = torch.ops.aten
+# random ops that take no generator but are, in ATen, a fill that takes one: run (in the
+# forward and the replay) as that fill from a private generator, bit for bit the op itself
+DECOMPOSED: dict = {
+    _A.rand_like.default: lambda a, k, g: _A.empty_like.default(*a, **k).uniform_(0, 1, generator=g),
+    _A.randn_like.default: lambda a, k, g: _A.empty_like.default(*a, **k).normal_(0, 1, generator=g),
+    _A.rand.default: lambda a, k, g: _A.empty.memory_format(*a, **k).uniform_(0, 1, generator=g),
+    _A.randn.default: lambda a, k, g: _A.empty.memory_format(*a, **k).normal_(0, 1, generator=g),
+}
 
 
 def _private(g, state) -> torch.Generator:
@@ -248,6 +259,9 @@ def _private(g, state) -> torch.Generator:
 
 
 def _with_generator(func, args, kwargs, g):
+    fill = DECOMPOSED.get(func)
+    if fill is not None:
+        return fill(args, kwargs, g)
     pos, name = op_info(func)[6]
     if pos < len(args):
         args = list(args)
