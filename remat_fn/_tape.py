@@ -68,10 +68,14 @@ class StorageCopy:
     replay, so a write through one alias reaches every other (``base[0].copy_(..)``
     read back through a view of ``base`` made outside)."""
 
-    __slots__ = ("storage",)
+    __slots__ = ("data",)
 
-    def __init__(self, storage):
-        self.storage = storage
+    def __init__(self, data: torch.Tensor):
+        self.data = data  # the bytes, as a uint8 tensor (the memory meters follow tensors)
+
+    @property
+    def storage(self):
+        return self.data.untyped_storage()
 
 
 class Value:
@@ -278,7 +282,7 @@ class Tape:
             copy = None
             if ptr > 0 and has_storage(t):
                 st = t.untyped_storage()
-                copy = StorageCopy(st.clone())
+                copy = StorageCopy(_clone_storage(st))
                 if self.copies:
                     self.pre_write[ptr] = copy.storage
                     self.written_storages.append((st, copy.storage))
@@ -610,6 +614,13 @@ def _copy_before_write(guard, k, written, env, result) -> list:
     return rest
 
 
+def _clone_storage(st) -> torch.Tensor:
+    """A copy of the storage ``st`` as a uint8 tensor, made by a tensor op (dispatch modes,
+    the memory meters among them, see it; ``UntypedStorage.clone`` reaches none)."""
+    whole = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, 0, (st.nbytes(),), (1,))
+    return whole.clone()
+
+
 def _from_copy(v: Value, env: dict) -> torch.Tensor:
     """A fresh tensor with ``v``'s value from its snapshot: for a StorageCopy, a view of one
     copy of the storage per replay (``env``)."""
@@ -618,7 +629,7 @@ def _from_copy(v: Value, env: dict) -> torch.Tensor:
         return snap.clone()
     st = env.get(id(snap))
     if st is None:
-        st = env[id(snap)] = snap.storage.clone()
+        st = env[id(snap)] = _clone_storage(snap.storage).untyped_storage()
     dtype, device, offset, size, stride = v.geom
     return torch.empty(0, dtype=dtype, device=device).set_(st, offset, size, stride)
 
