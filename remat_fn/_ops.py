@@ -7,9 +7,8 @@ and whether its output shape depends on data.  :func:`draw` runs a random op in 
 forward from a private generator copied from its own (which then moves on as if the
 op had drawn from it) and :func:`run_recorded` replays it from another private
 generator set to that state: the replay draws the forward's bits and never sets a
-generator that other threads draw from.  :func:`lift_user_modes` lets the region
-record below the dispatch modes the user entered, so the tape holds the ops those
-modes issue.  Storage identity (:func:`storage_key`, :func:`has_storage`) covers
+generator that other threads draw from.  :func:`reenter` runs the replay through the
+dispatch modes the user entered around the forward, as the forward's ops ran.  Storage identity (:func:`storage_key`, :func:`has_storage`) covers
 ``nn.Parameter`` subclasses, wrapper subclasses and empty storages.
 """
 
@@ -22,13 +21,12 @@ import optree
 import torch
 
 from ._functorch import any_batched, unwrap_all
-from ._torch_internals import any_autocast_enabled, push_mode, schema
+from ._torch_internals import any_autocast_enabled, schema
 from ._torch_internals import mode_stack as _mode_stack
-from ._torch_internals import pop_mode as _pop_mode
 
 __all__ = [
     "op_info", "storage_key", "simple_args", "generator_of", "default_states", "devices_of", "held_copy",
-    "no_autocast", "ALIASING", "SEQ", "draw", "run_recorded", "lift_user_modes", "lift_modes", "push_mode", "written_tensors", "arg_shapes",
+    "no_autocast", "ALIASING", "SEQ", "draw", "run_recorded", "user_modes", "reenter", "written_tensors", "arg_shapes",
     "arg_meta", "has_storage", "PLAIN", "METADATA_ONLY", "single_output", "placeholder", "private_copies", "DECOMPOSED",
 ]
 
@@ -177,34 +175,26 @@ def no_autocast():
     return st
 
 
-def lift_user_modes() -> list:
-    """Pop the dispatch modes the user entered (a fake-quantisation mode, say) and every
-    mode above them; the caller pushes the region's recording mode, then these again on
-    top of it: the tape records the ops those modes issue, and the replay runs below them
-    too (:func:`lift_modes`), so a mode acts once (a counter active in the forward does not
-    count the replay; one that rounds products has its rounding on the tape).  Returns
-    them, bottom first."""
-    stack = _mode_stack()
-    low = next((i for i, m in enumerate(stack) if not type(m).__module__.startswith(("torch.", "remat_fn."))), None)
-    return _pop_from(stack, low)
+def user_modes() -> list:
+    """The dispatch modes the user entered that are active now (a fake-quantisation mode, a
+    counter): the region records the ops it issues above them, so its replay runs
+    through them again (:func:`reenter`), as the forward's ops did."""
+    return [m for m in _mode_stack() if not type(m).__module__.startswith(("torch.", "remat_fn."))]
 
 
-def lift_modes(modes) -> list:
-    """Pop the lowest of ``modes`` that is active now and every mode above it (the caller
-    pushes them back, bottom first): the replay runs below the modes the forward was
-    recorded below."""
-    stack = _mode_stack()
-    low = next((i for i, m in enumerate(stack) if any(m is x for x in modes)), None)
-    return _pop_from(stack, low)
-
-
-def _pop_from(stack, low) -> list:
-    if low is None:
-        return []
-    lifted = stack[low:]
-    for _ in lifted:
-        _pop_mode()
-    return lifted
+def reenter(modes):
+    """Around a replay: the forward's user ``modes`` that are not active now, entered again
+    (one active now already sees the replay; entering it twice would act twice)."""
+    if not modes:
+        return _NULL
+    active = _mode_stack()
+    missing = [m for m in modes if not any(m is a for a in active)]
+    if not missing:
+        return _NULL
+    st = contextlib.ExitStack()
+    for m in missing:
+        st.enter_context(m)
+    return st
 
 
 def default_states(devices) -> tuple:

@@ -27,10 +27,10 @@ from ._errors import MutatedSavedTensorError, RecomputeMismatchError
 from ._functorch import forward_mode_active, storage_ptr
 from ._functorch import unwrap_all as _base
 from ._offload import Offloader, Stored, hint, meta_args, tag_name
-from ._ops import METADATA_ONLY, arg_meta, arg_shapes, draw, lift_user_modes, placeholder, run_recorded, single_output
+from ._ops import METADATA_ONLY, arg_meta, arg_shapes, draw, placeholder, run_recorded, single_output, user_modes
 from ._residuals import residual_sink
 from ._tape import redirect_writes
-from ._torch_internals import DisableTorchFunction, TorchDispatchMode, dispatch_stack_len, pop_mode, push_mode, schema
+from ._torch_internals import DisableTorchFunction, TorchDispatchMode, dispatch_stack_len, schema
 from ._torch_internals import version as version_of
 from .policies import NAMED, Offload, PolicyContext, decide
 
@@ -475,23 +475,14 @@ class SaveMode(TorchDispatchMode):
         if stack is None:
             stack = _local.stack = []
         stack.append(self)
-        # (recording: below the user's modes, see lift_user_modes)
-        self.lifted = lift_user_modes() if not self.recompute and dispatch_stack_len() else ()
-        if self.lifted and self.tape is not None:
-            self.tape.modes = self.lifted  # (the replay runs below them too)
-        out = super().__enter__()
-        for m in self.lifted:
-            push_mode(m)
-        return out
+        if self.tape is not None and not self.recompute and dispatch_stack_len():
+            self.tape.modes = user_modes()  # (the replay runs through them again, see Tape.replay)
+        return super().__enter__()
 
     def __exit__(self, *exc):
         try:
-            for _ in self.lifted:
-                pop_mode()
             return super().__exit__(*exc)
         finally:
-            for m in self.lifted:
-                push_mode(m)
             _local.stack.pop()
             if self.around is not None:
                 self.around.__exit__(*exc)

@@ -46,10 +46,9 @@ from ._ops import (
     generator_of,
     has_storage,
     held_copy,
-    lift_modes,
     no_autocast,
     op_info,
-    push_mode,
+    reenter,
     run_recorded,
     simple_args,
     storage_key,
@@ -155,7 +154,7 @@ class Tape:
         self.synth: dict[int, tuple] = {}
         self.writes_to: dict[int, list] = {}  # storage -> (node, Value) of each write into it, in order
         self.held_at: dict[int, list] = {}  # storage -> (node, index) of the held outputs on it
-        self.modes: list = []  # the user's dispatch modes recorded below (see lift_user_modes)
+        self.modes: list = []  # the user's dispatch modes of the forward (see reenter)
 
     def first_write(self, key: int, pos: int):
         """The write autograd expects into a tensor it saved at ``pos``: the first write into
@@ -539,13 +538,8 @@ class Tape:
         if grad:
             torch.set_grad_enabled(False)
         try:
-            lifted = lift_modes(self.modes) if self.modes else ()
-            try:
-                with no_autocast():
-                    return self._run_nodes(run, targets, get, env)
-            finally:
-                for m in lifted:
-                    push_mode(m)
+            with no_autocast(), reenter(self.modes):
+                return self._run_nodes(run, targets, get, env)
         finally:
             if grad:
                 torch.set_grad_enabled(True)

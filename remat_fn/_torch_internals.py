@@ -41,7 +41,7 @@ __all__ = [
     "SUPPORTED_TORCH", "push_hooks", "pop_hooks", "top_hooks", "hooks_enabled", "hooks_disabled_message",
     "enable_hooks", "disable_hooks", "set_version_counter", "functorch", "functorch_active",
     "DisableTorchFunction", "DisableFuncTorch", "dispatch_stack_len", "function_mode_enabled", "TorchDispatchMode",
-    "disable_current_modes", "mode_stack", "push_mode", "pop_mode", "tree_leaves", "FakeTensorMode", "OpOverload", "OpOverloadPacket",
+    "disable_current_modes", "mode_stack", "tree_leaves", "FakeTensorMode", "OpOverload", "OpOverloadPacket",
     "assert_async", "CachingTorchDispatchMode", "checkpoint_flag", "forward_ad_level", "version",
     "is_view", "use_count", "schema", "saved_tensor_attrs",
 ]
@@ -101,8 +101,6 @@ any_autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", None)
 TorchDispatchMode = _from("torch.utils._python_dispatch", "TorchDispatchMode")
 disable_current_modes = _from("torch.utils._python_dispatch", "_disable_current_modes")
 mode_stack = _from("torch.utils._python_dispatch", "_get_current_dispatch_mode_stack")
-push_mode = _from("torch.utils._python_dispatch", "_push_mode")
-pop_mode = _from("torch.utils._python_dispatch", "_pop_mode")
 FakeTensorMode = _from("torch._subclasses.fake_tensor", "FakeTensorMode")
 
 # ops and pytrees
