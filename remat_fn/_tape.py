@@ -16,14 +16,19 @@ recomputed by its node, whose inputs are needed in turn.  So the
 recomputation (:meth:`Tape.replay`) runs exactly the ops backward needs, keeps
 exactly the saveable values those ops (or backward) read, and never runs the
 user's Python again: side effects (BatchNorm's running statistics, a cache, a
-counter, a print) happen once, in the forward.
+counter, a print) happen once, in the forward.  The replay lets go of each value
+after the last replayed op that reads it, and hands each saved value out as it
+was when autograd saved it (a later write reaches a copy taken before it; the
+write of the op being dispatched then, rrelu's ``noise``, is replayed into it).
 
 Writes into tensors from outside (a buffer updated in place) are replayed into
-copies: before such a write the values of that storage read so far are
-copied (tentatively: the copy is kept only if a replayed op reads it), so the
-replay reads exactly what the forward read and never writes a tensor it does
-not own.  Every outside tensor the replay reads is checked against the version
-it had when the forward read it (:class:`~remat_fn.MutatedSavedTensorError`).
+copies: the storage is copied before its first write (tentatively: the copy is
+kept only if a replayed op reads it) and every value read from it replays as a
+view of one fresh copy per replay, so the replay reads exactly what the forward
+read, a write through one alias reaches the others, and it never writes a
+tensor it does not own.  Every outside tensor the replay reads is checked
+against the version it had when the forward read it
+(:class:`~remat_fn.MutatedSavedTensorError`).  Random ops: see :mod:`remat_fn._ops`.
 """
 
 from __future__ import annotations
