@@ -551,15 +551,18 @@ class Tape:
 
     def _run_nodes(self, run, targets, get, env) -> list:
         nodes = self.nodes
-        last: dict[int, int] = {}  # id(value) -> the last replayed node that reads it
-        for k in run:
-            for x in nodes[k].flat:
-                if type(x) is Value:
-                    last[id(x)] = k
+        # (a run of two ops or fewer frees nothing worth the bookkeeping)
+        last: dict[int, int] | None = {} if len(run) > 2 else None  # id(value) -> the last node reading it
+        if last is not None:
+            for k in run:
+                for x in nodes[k].flat:
+                    if type(x) is Value:
+                        last[id(x)] = k
         want = {id(v) for v, _ in targets}
         result: list = [None] * len(targets)
         # targets a later write may reach: (index, value, pos)
-        guard = [(i, v, pos) for i, (v, pos) in enumerate(targets) if run and pos <= run[-1]]
+        guard = [(i, v, pos) for i, (v, pos) in enumerate(targets) if pos <= run[-1]] \
+            if run and any(nodes[k].writes for k in run) else None
         for k in run:
             node = nodes[k]
             flat = [get(x) if type(x) is Value else x for x in node.flat]
@@ -582,6 +585,8 @@ class Tape:
                 for n, v in node.writes:
                     env[id(v)] = written[n]
             del flat, args, kwargs, out
+            if last is None:
+                continue
             # let go of what no later op and no target reads
             for x in node.flat:
                 if type(x) is Value and last.get(id(x)) == k and id(x) not in want:
