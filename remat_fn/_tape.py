@@ -153,7 +153,7 @@ class Tape:
         # torch.func path: storage -> a copy of it before the region first wrote into it
         # (the re-run writes into private copies: a buffer is updated once)
         self.pre_write: dict[int, Any] = {}
-        self.written_storages: list = []  # (storage, its copy): see undo_writes
+        self.written_storages: list = []  # (storage or subclass tensor, its copy): see undo_writes
         # storage keys of tensors without a storage of their own (a wrapper subclass that
         # does not say what it wraps): id -> (key, weak ref); a view shares its base's
         self.synth: dict[int, tuple] = {}
@@ -298,9 +298,11 @@ class Tape:
                     t = v.t
                     v.snap = copy
                     v.geom = (t.dtype, t.device, t.storage_offset(), t.size(), t.stride())
-                else:  # (a subclass: a copy of its own)
+                else:  # (a subclass: a copy of its own, also what a retry puts back)
                     with torch.no_grad():
                         v.snap = v.t.clone()
+                    if self.copies:
+                        self.written_storages.append((v.t, v.snap))
                 self.stale.append(v)
 
     def _hold(self, node: Node, leaves, args, kwargs) -> None:
@@ -482,7 +484,8 @@ class Tape:
 
     def undo_writes(self) -> None:
         """Put back what the forward wrote into outside storages (a buffer updated in
-        place), before that forward runs again (a retry on the torch.func path)."""
+        place; a subclass tensor, whole), before that forward runs again (a retry on the
+        torch.func path)."""
         with torch.no_grad():
             for st, before in reversed(self.written_storages):
                 st.copy_(before)
