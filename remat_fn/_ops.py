@@ -28,6 +28,7 @@ __all__ = [
     "op_info", "storage_key", "simple_args", "generator_of", "default_states", "devices_of", "held_copy",
     "no_autocast", "ALIASING", "SEQ", "draw", "run_recorded", "user_modes", "reenter", "written_tensors", "arg_shapes",
     "arg_meta", "has_storage", "PLAIN", "METADATA_ONLY", "single_output", "placeholder", "private_copies", "DECOMPOSED",
+    "copy_before_write",
 ]
 
 _NULL = contextlib.nullcontext()
@@ -337,3 +338,18 @@ def private_copies(tensors, pre_write: dict) -> dict:
             out[id(t)] = torch.empty(0, dtype=b.dtype, device=b.device).set_(
                 copies[p], b.storage_offset(), b.size(), b.stride())
     return out
+
+
+def copy_before_write(guard, k, written, env, result) -> list:
+    """Node ``k`` writes ``written``: each target saved before it (``pos <= k``) whose tensor
+    it writes is handed out as a copy taken now.  Returns the targets still guarded."""
+    hit = {p for t in written if (p := storage_key(t))}
+    rest = []
+    for i, v, pos in guard:
+        if pos <= k:
+            t = env.get(id(v))
+            if t is not None and storage_key(t) in hit:
+                result[i] = t.clone()
+                continue
+        rest.append((i, v, pos))
+    return rest

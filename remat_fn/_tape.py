@@ -45,6 +45,7 @@ from ._ops import (
     ALIASING,
     DECOMPOSED,
     SEQ,
+    copy_before_write,
     default_states,
     devices_of,
     draw,
@@ -574,7 +575,7 @@ class Tape:
             else:
                 args, kwargs = optree.tree_unflatten(node.spec, flat)
             if node.writes and guard:
-                guard = _copy_before_write(guard, k, written_tensors(node.func, args, kwargs), env, result)
+                guard = copy_before_write(guard, k, written_tensors(node.func, args, kwargs), env, result)
             out = run_recorded(node, args, kwargs)
             outs = node.outs
             if type(out) in SEQ:
@@ -604,21 +605,6 @@ class Tape:
             if result[i] is None:
                 result[i] = get(v)
         return result
-
-
-def _copy_before_write(guard, k, written, env, result) -> list:
-    """Node ``k`` writes ``written``: each target saved before it (``pos <= k``) whose tensor
-    it writes is handed out as a copy taken now.  Returns the targets still guarded."""
-    hit = {p for t in written if (p := storage_key(t))}
-    rest = []
-    for i, v, pos in guard:
-        if pos <= k:
-            t = env.get(id(v))
-            if t is not None and storage_key(t) in hit:
-                result[i] = t.clone()
-                continue
-        rest.append((i, v, pos))
-    return rest
 
 
 def _clone_storage(st) -> torch.Tensor:
