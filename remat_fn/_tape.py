@@ -255,7 +255,7 @@ class Tape:
             if g is not None:
                 rng = (g, None)  # (its state is read right before the op runs: see draw)
         node = Node(func, flat, spec, kwargs if spec is None else None, reads, rng, key)
-        if info[7] or (rng is not None and info[6] is None and func not in DECOMPOSED):
+        if info[6] is None and (info[7] or (rng is not None and func not in DECOMPOSED)):
             # a custom op, or a random op that takes no generator (attention with dropout_p):
             # it draws if a default generator moves (see after)
             node.probe = (devices_of(args, kwargs),)

@@ -605,3 +605,26 @@ def test_random_fill_ops_are_replayed_not_held(draw):
     assert live["remat"] <= live["torch"], live
     x0 = torch.randn(64, dtype=D)
     _close(_eager_grad(remat, f, x0), _eager_grad(ident, f, x0))
+
+
+_LIB = torch.library.Library("remat_test_replay_gen", "DEF")
+_LIB.define("gmask(Tensor x, Generator? g=None) -> Tensor")
+_LIB.impl("gmask", lambda x, g=None: (torch.rand(x.shape, dtype=x.dtype, generator=g) > 0.5).to(x.dtype), "CPU")
+_LIB.impl("gmask", lambda x, g=None: torch.empty_like(x), "Meta")
+
+
+def test_custom_op_drawing_from_a_generator_argument():
+    """A custom op that takes the user's generator: drawn from a private copy of it in the
+    forward and the replay (the user's generator moves on in between)."""
+    gen = torch.Generator()
+    f = lambda x: (x.sin() * torch.ops.remat_test_replay_gen.gmask(x.detach(), gen)).sin().sum()
+    x0 = torch.randn(16, dtype=D)
+    grads = []
+    for wrap in (ident, remat):
+        gen.manual_seed(3)
+        x = x0.clone().requires_grad_()
+        y = wrap(f)(x)
+        torch.rand(1, generator=gen)
+        y.backward()
+        grads.append(x.grad)
+    _close(grads[1], grads[0])
