@@ -552,6 +552,11 @@ class SaveMode(TorchDispatchMode):
             return func(*args, **kwargs)
         plan = self.plan
         if plan is None:
+            # (a random op draws the forward's numbers from its recorded state: a kept one
+            # before it, returned without drawing, must not shift what it draws)
+            node = self.tape.nodes[rec.seq_nodes[pos]] if self.tape is not None and rec.seq_nodes else None
+            if node is not None and node.rng is not None and (node.shapes is None or node.shapes == arg_shapes(args, kwargs)):
+                return rec.replay(func, key, args, kwargs, lambda *a, **k: run_recorded(node, a, k))
             return rec.replay(func, key, args, kwargs)
         node = self.tape.nodes[rec.seq_nodes[pos]]
         if node.shapes != arg_shapes(args, kwargs):  # (batched differently under vmap, say)

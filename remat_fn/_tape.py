@@ -386,11 +386,12 @@ class Tape:
         if rec is not None:
             nodes = self.nodes
             rec.retain({(nodes[v.node].key, v.idx) for v in used_kept})
-            # kept values a replayed op writes into (h = x @ w; h += b): handed out as
-            # copies, or a second backward would read the first one's writes
+            # kept values an op writes into (h = x @ w; h += b): handed out as copies, or a
+            # second backward would read the first one's writes (every op, not only the
+            # planned ones: a re-run of the function under grad of grad runs them all)
             kept = {id(v) for v in used_kept}
-            rec.overwritten = {nodes[b.node].key for k in run if nodes[k].writes
-                               for w in self._written_values(nodes[k]) for b in self._bases(w) if id(b) in kept}
+            rec.overwritten = {nodes[b.node].key for n in nodes if n.writes
+                               for w in self._written_values(n) for b in self._bases(w) if id(b) in kept}
         return run, used_kept, used_outside
 
     def _written_values(self, n: Node) -> list:
