@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ._func_semantics import ForwardHook
-from ._functorch import grad_wrappers, is_grad_kind, live_levels, unwrap_all
+from ._functorch import forward_mode_active, grad_wrappers, is_grad_kind, live_levels, unwrap_all
 from ._offload_buffers import quiet
 from ._torch_internals import DisableFuncTorch, dispatch_stack_len, function_mode_enabled, is_view, saved_tensor_attrs
 from .memory import storage_released
@@ -180,6 +180,11 @@ def can_drop_graph(saved, grads) -> bool:
     """
     if not torch.is_grad_enabled():
         return False  # already not recording; nothing to gain
+    if forward_mode_active():
+        # a live jvp level differentiates it too, wrapping the saved tensors or not: under
+        # no_grad torch's backward formulas take branches with no tangent (solve, logdet) or
+        # kernels forward AD lacks (silu_backward)
+        return False
     live = live_levels()
     wrappers = []
     for t in (*saved, *grads):

@@ -28,7 +28,7 @@ __all__ = [
     "op_info", "storage_key", "simple_args", "generator_of", "default_states", "devices_of", "held_copy",
     "no_autocast", "ALIASING", "SEQ", "draw", "run_recorded", "user_modes", "reenter", "written_tensors", "arg_shapes",
     "arg_meta", "has_storage", "PLAIN", "METADATA_ONLY", "single_output", "placeholder", "private_copies", "DECOMPOSED",
-    "copy_before_write",
+    "copy_before_write", "DETACH",
 ]
 
 _NULL = contextlib.nullcontext()
@@ -52,6 +52,7 @@ def _writes_of(func) -> tuple:
 
 
 SEQ = (tuple, list)
+DETACH = torch.ops.aten.detach.default
 # ops whose output shares its first argument's storage without being marked a view
 ALIASING = tuple(getattr(torch.ops.aten, n).default for n in ("_unsafe_view",) if hasattr(torch.ops.aten, n))
 _INFO: dict[Any, tuple] = {}
@@ -217,7 +218,8 @@ def draw(node, func, args, kwargs):
     """Run ``func`` for ``node`` in the forward.  A random op that takes a generator draws
     from a private one set to its generator's state, which then moves on as if the op had
     drawn from it: the replay starts from exactly the state the op drew from, whatever
-    other threads draw meanwhile.  (One that takes none runs as it is: its outputs are held.)"""
+    other threads draw meanwhile; so does one of :data:`DECOMPOSED`, as the fill it is.  (Any
+    other that takes none runs as it is: its outputs are held, see Tape.after.)"""
     rng = node.rng
     if rng is None:
         return func(*args, **kwargs)
@@ -276,8 +278,7 @@ def run_recorded(node, args, kwargs):
         for n, t in enumerate(written_tensors(node.func, args, kwargs)):
             t.copy_(node.held[-1 - n])
         leaves = [t.clone() if isinstance(t, torch.Tensor) else t for i, t in sorted(node.held.items()) if i >= 0]
-        rets = schema(node.func).returns
-        return leaves[0] if len(rets) == 1 and str(rets[0].type) == "Tensor" else tuple(leaves)
+        return leaves[0] if single_output(node.func) else tuple(leaves)
     return _with_generator(node.func, args, kwargs, _private(*rng))
 
 

@@ -369,9 +369,7 @@ class _RematFunction(torch.autograd.Function):
         if not wrt:
             return tuple(result)
         out_diff = ctx.out_diff
-        # (a live jvp level differentiates this backward too: under no_grad torch's backward
-        # formulas take branches with no tangent, solve/logdet, or kernels forward AD lacks, silu_backward)
-        detach = can_drop_graph(ctx.saved_tensors, grads) and not forward_mode_active()
+        detach = can_drop_graph(ctx.saved_tensors, grads)
         grads = tuple(unwrap_if_dead(g) if g is not None else None for g in grads)
         # (grad mode off: nothing records this backward; a forward-mode level would, see from_graph)
         if (detach or not torch.is_grad_enabled()) and spec.graph is not None and not forward_mode_active():

@@ -27,7 +27,7 @@ from ._errors import MutatedSavedTensorError, RecomputeMismatchError
 from ._functorch import forward_mode_active, storage_ptr
 from ._functorch import unwrap_all as _base
 from ._offload import Offloader, Stored, hint, meta_args, tag_name
-from ._ops import METADATA_ONLY, arg_meta, arg_shapes, draw, placeholder, run_recorded, single_output, user_modes
+from ._ops import DETACH, METADATA_ONLY, arg_meta, arg_shapes, draw, placeholder, run_recorded, single_output, user_modes
 from ._residuals import residual_sink
 from ._tape import redirect_writes
 from ._torch_internals import DisableTorchFunction, TorchDispatchMode, dispatch_stack_len, schema
@@ -43,7 +43,8 @@ class _Local(threading.local):
 
 _local = _Local()
 _no_torch_function = DisableTorchFunction
-_DETACH = torch.ops.aten.detach.default
+
+
 def _kept(out):
     """What to keep of an op's output: its values without autograd history (under a
     functorch grad level the values below the wrapper carry the level's graph)."""
@@ -121,7 +122,7 @@ class Record:
         keys = set().union(*(self.by_storage.pop(p, ()) for p in written if p is not None))
         if not keys:
             return
-        hit = set(written)
+        hit = {p for p in written if p is not None}
 
         def fix(t):
             if isinstance(t, torch.Tensor) and storage_ptr(t) in hit:
@@ -499,12 +500,12 @@ class SaveMode(TorchDispatchMode):
         if rec is None and not self.recompute:  # (no policy: the tape only, no op keys needed)
             return func(*args, **kwargs) if tape.paused else tape.record(func, None, args, kwargs)
         if self.recompute:
-            if func is _DETACH or rec is None:
+            if func is DETACH or rec is None:
                 return func(*args, **kwargs)
             return self._recompute(rec, func, args, kwargs)
         if (rec is not None and rec.paused) or (tape is not None and tape.paused):
             return func(*args, **kwargs)
-        if func is _DETACH:
+        if func is DETACH:
             # A detach is never kept (a view) and autograd under a functorch grad
             # level inserts its own detaches where the forward ran none: leaving
             # them out of the policy's op sequence keeps the replay aligned.

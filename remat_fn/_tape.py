@@ -44,6 +44,7 @@ from ._errors import RematError, mutated_outside
 from ._ops import (
     ALIASING,
     DECOMPOSED,
+    DETACH,
     SEQ,
     copy_before_write,
     default_states,
@@ -61,8 +62,6 @@ from ._ops import (
     written_tensors,
 )
 from ._torch_internals import version as version_of
-
-_DETACH = torch.ops.aten.detach.default
 
 __all__ = ["Tape", "Value", "Node", "StorageCopy", "redirect_writes"]
 
@@ -170,7 +169,7 @@ class Tape:
         (node, Value), or None."""
         for k, v in self.writes_to.get(key, ()):
             if k >= pos:
-                ok = v.idx < 0 and all(self.nodes[j].func.is_view or self.nodes[j].func is _DETACH
+                ok = v.idx < 0 and all(self.nodes[j].func.is_view or self.nodes[j].func is DETACH
                                        for j in range(pos, k))
                 return (k, v) if ok else None
         return None
@@ -347,10 +346,9 @@ class Tape:
                 outs.append(v)
                 if self.last_write and not view and not writes:  # (a freed storage reused)
                     self.last_write.pop(self.key(t), None)
-                elif (view or node.func in ALIASING) and not has_storage(t) and not storage_key(t):
-                    a = node.flat[0] if node.spec is None else None
-                    if isinstance(args[0] if args else None, torch.Tensor) and type(a) is Value:
-                        self.synth[id(t)] = (self.key(args[0]), weakref.ref(t))
+                elif (view or node.func in ALIASING) and not has_storage(t) and not storage_key(t) \
+                        and args and isinstance(args[0], torch.Tensor):
+                    self.synth[id(t)] = (self.key(args[0]), weakref.ref(t))
             else:
                 outs.append(None)
                 if t is not None:
@@ -527,7 +525,7 @@ class Tape:
         values still to be read, no more."""
         env: dict[int, Any] = {}
         nodes = self.nodes
-        copy_held = any(nodes[k].writes for k in run)
+        writes = any(nodes[k].writes for k in run)
 
         def get(v):
             t = env.get(id(v))
@@ -538,7 +536,7 @@ class Tape:
             held = nodes[v.node].held
             if held is not None:
                 t = held[v.idx]
-                t = t.clone() if copy_held else t  # (a replayed op may write into it)
+                t = t.clone() if writes else t  # (a replayed op may write into it)
             else:
                 t = kept_value(v)
             env[id(v)] = t
@@ -549,12 +547,12 @@ class Tape:
             torch.set_grad_enabled(False)
         try:
             with no_autocast(), reenter(self.modes):
-                return self._run_nodes(run, targets, get, env)
+                return self._run_nodes(run, targets, get, env, writes)
         finally:
             if grad:
                 torch.set_grad_enabled(True)
 
-    def _run_nodes(self, run, targets, get, env) -> list:
+    def _run_nodes(self, run, targets, get, env, writes: bool) -> list:
         nodes = self.nodes
         # (a run of two ops or fewer frees nothing worth the bookkeeping)
         last: dict[int, int] | None = {} if len(run) > 2 else None  # id(value) -> the last node reading it
@@ -566,8 +564,7 @@ class Tape:
         want = {id(v) for v, _ in targets}
         result: list = [None] * len(targets)
         # targets a later write may reach: (index, value, pos)
-        guard = [(i, v, pos) for i, (v, pos) in enumerate(targets) if pos <= run[-1]] \
-            if run and any(nodes[k].writes for k in run) else None
+        guard = [(i, v, pos) for i, (v, pos) in enumerate(targets) if pos <= run[-1]] if writes else None
         for k in run:
             node = nodes[k]
             flat = [get(x) if type(x) is Value else x for x in node.flat]
