@@ -388,8 +388,8 @@ class Tape:
             # second backward would read the first one's writes (every op, not only the
             # planned ones: a re-run of the function under grad of grad runs them all)
             kept = {id(v) for v in used_kept}
-            rec.overwritten = {nodes[b.node].key for n in nodes if n.writes
-                               for w in self._written_values(n) for b in self._bases(w) if id(b) in kept}
+            written = [w for n in nodes if n.writes for w in self._written_values(n)]
+            rec.overwritten = {nodes[b.node].key for b in self._bases(written) if id(b) in kept}
         return run, used_kept, used_outside
 
     def _written_values(self, n: Node) -> list:
@@ -399,10 +399,11 @@ class Tape:
             return [n.flat[i] for i, _ in op_info(n.func)[0] if i < len(n.flat) and type(n.flat[i]) is Value]
         return [x for x in n.flat if type(x) is Value]
 
-    def _bases(self, v: Value) -> list:
-        """``v`` and the region values it aliases: through views, and through writes (the
-        result of an in-place op is its target)."""
-        out, todo, seen = [], [v], set()
+    def _bases(self, values) -> list:
+        """The ``values`` and the region values they alias: through views, and through writes
+        (the result of an in-place op is its target).  One walk for all of them (a value
+        written N times is a chain of N: walked once, not once per write)."""
+        out, todo, seen = [], list(values), set()
         while todo:
             v = todo.pop()
             if id(v) in seen or v.node < 0:
