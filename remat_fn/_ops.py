@@ -21,14 +21,14 @@ import optree
 import torch
 
 from ._functorch import any_batched, unwrap_all
-from ._torch_internals import any_autocast_enabled, schema
+from ._torch_internals import TorchDispatchMode, any_autocast_enabled, schema
 from ._torch_internals import mode_stack as _mode_stack
 
 __all__ = [
     "op_info", "storage_key", "simple_args", "generator_of", "default_states", "devices_of", "held_copy",
     "no_autocast", "ALIASING", "SEQ", "draw", "run_recorded", "user_modes", "reenter", "written_tensors", "arg_shapes",
     "arg_meta", "has_storage", "PLAIN", "METADATA_ONLY", "single_output", "placeholder", "private_copies", "DECOMPOSED",
-    "copy_before_write", "DETACH",
+    "copy_before_write", "DETACH", "PrivateWrites",
 ]
 
 _NULL = contextlib.nullcontext()
@@ -321,12 +321,13 @@ def placeholder(node, args, kwargs):
     return multi(leaves) if multi is not None else leaves[0]
 
 
-def private_copies(tensors, pre_write: dict) -> dict:
+def private_copies(tensors, pre_write: dict, copies: dict) -> dict:
     """``{id(t): copy}`` for the ``tensors`` (what a region reaches) whose storage the
     region's forward wrote: each a plain tensor, with ``t``'s geometry, on a fresh copy
-    of the storage as it was before the first write (see ``Tape.pre_write``)."""
+    of the storage as it was before the first write (see ``Tape.pre_write``).  ``copies``:
+    storage -> its one copy in this re-run (buffers that share a storage share it; see
+    :class:`PrivateWrites`)."""
     out: dict = {}
-    copies: dict = {}  # storage -> its one copy (buffers that share a storage share it)
     for t in tensors:
         if any_batched(t):  # (a per-model slice of stacked buffers under vmap: not rebuilt)
             continue
@@ -354,3 +355,37 @@ def copy_before_write(guard, k, written, env, result) -> list:
                 continue
         rest.append((i, v, pos))
     return rest
+
+
+class PrivateWrites(TorchDispatchMode):
+    """A re-run of the function reads and writes private copies of the storages its
+    forward wrote (``pre_write``: storage -> its contents before the first write), one
+    copy per storage per re-run (``copies``), whatever holds the tensor: a module's
+    buffer (put in place by :func:`private_copies` already), a list, a tuple or a
+    ``functools.partial`` (found here, by storage, below every functorch layer).  So a
+    BatchNorm's running statistics are updated once, by the forward."""
+
+    def __init__(self, pre_write: dict, copies: dict):
+        super().__init__()
+        self.pre_write = pre_write
+        self.copies = copies
+
+    def _private(self, x):
+        if not isinstance(x, torch.Tensor) or x.layout != torch.strided:
+            return x
+        p = storage_key(x)
+        st = self.pre_write.get(p) if p else None
+        if st is None:
+            return x
+        c = self.copies.get(p)
+        if c is None:
+            c = self.copies[p] = st.clone()
+        return torch.empty(0, dtype=x.dtype, device=x.device).set_(c, x.storage_offset(), x.size(), x.stride())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if simple_args(args, kwargs):
+            args = tuple(self._private(x) for x in args)
+        else:
+            args, kwargs = optree.tree_map(self._private, (args, kwargs), none_is_leaf=True)
+        return func(*args, **kwargs)

@@ -44,6 +44,7 @@ from ._debug import CallTrace
 from ._describe import describe, describe_meta
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_outside
 from ._func_graph import KeepHandles, Unpack, alias_output, can_drop_graph, from_graph, note_storage, release_outputs, saved_storages
+from ._func_outputs import alias_map, rebuild
 from ._func_semantics import (
     ForwardHook,
     NeedsGraph,
@@ -59,7 +60,6 @@ from ._functorch import (
     any_batched,
     carries_grad,
     forward_mode_active,
-    is_wrapped,
     live_levels,
     needs_grad,
     requires_grad_anywhere,
@@ -68,7 +68,7 @@ from ._functorch import (
     unwrap_if_dead,
 )
 from ._offload import FuncInputs, hint, input_offloads
-from ._ops import private_copies
+from ._ops import PrivateWrites, private_copies
 from ._path_hooks import Frame, finish_tape
 from ._profile import active, storage_bytes
 from ._record import Diverged, Record, saving
@@ -94,7 +94,7 @@ class _RegionState:
                  "fwd_hits", "rec", "needs", "trace", "views", "autocast", "produced", "prof",
                  "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
-                 "levels")
+                 "levels", "aliases")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -141,18 +141,25 @@ class _RegionState:
         self.dpos: list = []
         self.wrt: list[int] = []
         self.levels: dict | None = None  # the transforms active at the call (see needs_grad)
+        # (id of the caller's object, index) of the inputs the function also closes over (an
+        # argument that a closure reads too): substituted like captured tensors
+        self.aliases: list[tuple[int, int]] = []
 
     def call(self, tensors, known: set[int] | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
         if known is None:  # a recomputation: put functional_call's tensors back; the
             # buffers the forward wrote (BatchNorm's statistics) as private copies
-            with self.reach.relocated(private_copies(self.reach.tensors.values(), self.written)):
+            copies: dict = {}
+            with self.reach.relocated(private_copies(self.reach.tensors.values(), self.written, copies)), \
+                    PrivateWrites(self.written, copies) if self.written else _NULL:
                 return self._call(tensors, known)
         return self._call(tensors, known)
 
     def _call(self, tensors, known):
         n = self.n_in
         subst = {id(o): r for o, r in zip(self.captured, tensors[n:])}
+        for i, k in self.aliases:
+            subst.setdefault(i, tensors[k])
         recompute = known is None
         if recompute:
             self.trace.rewind()
@@ -331,7 +338,7 @@ class _RematFunction(torch.autograd.Function):
                 spec.offload.hints = spec.rec.hint_outputs(outs)
             spec.rec.producer = {}
             spec.rec.seal(outs)
-        spec.views = _input_views(outs, tensors)
+        spec.views = alias_map(outs, tensors, spec.diff)
         # An output that *is* an input would be aliased by autograd; return a view.  (Below
         # the wrappers: vmap's generated rule unwraps them, so an output that wraps an
         # input's tensor, x.t() of a vmapped vector, is that input there.)
@@ -447,32 +454,6 @@ def _undo(spec: _RegionState, snap: RNGSnapshot | None) -> None:
         spec.tape.undo_writes()
 
 
-def _input_views(outs, tensors) -> dict[int, tuple]:
-    """The outputs that are plain views of an input: ``{i: (j, size, stride, offset)}``.
-
-    Such an output is rebuilt outside the Function as the same view of the
-    caller's tensor, so that autograd knows it is a view: modifying it in place
-    then behaves as in plain code (a custom Function's view output may not be
-    modified in place).  Under ``vmap`` (wrapped tensors) this is skipped.
-    """
-    found = {}
-    storages = {}
-    for j, t in enumerate(tensors):
-        if not is_wrapped(t) and t.layout == torch.strided and (p := storage_ptr(t)) is not None:
-            storages.setdefault(p, j)
-    if not storages:
-        return found
-    ids = {id(t) for t in tensors}
-    for i, o in enumerate(outs):
-        if (id(o) in ids or is_wrapped(o) or o.layout != torch.strided
-                or not o.numel()):
-            continue  # an input returned as is stays inside (see forward)
-        j = storages.get(storage_ptr(o))
-        if j is not None and o.dtype == tensors[j].dtype and o.device == tensors[j].device:
-            found[i] = (j, tuple(o.shape), o.stride(), o.storage_offset())
-    return found
-
-
 # Function.apply binds its arguments with inspect.signature(forward) on every
 # call; a precomputed signature makes that lookup free.
 _RematFunction.forward.__signature__ = inspect.signature(_RematFunction.forward)  # type: ignore[attr-defined]
@@ -566,6 +547,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         spec.produced = produced
         spec.keep_graph = keep_graph
         spec.levels = levels
+        spec.aliases = [(id(t), k) for k, t in enumerate(inputs) if id(t) in reach.tensors]
         spec.rec = Record(policy)  # (without a policy: the op sequence, for the plan)
         if policy is not None:
             spec.offload = FuncInputs(input_offloads(policy, inputs))
@@ -629,11 +611,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     if spec.unsure:
         check_unsure(spec)
     if spec.views:
-        every = (*inputs, *captured)
-        for i, (j, size, stride, offset) in spec.views.items():
-            if i < n:
-                base = every[j] if spec.diff[i] else every[j].detach()
-                outs[i] = base.as_strided(size, stride, offset)
+        rebuild(outs, spec.views, (*inputs, *captured), spec.diff, n)
     if off is not None:
         for o, h in zip(outs, off.hints):
             if h is not None:
