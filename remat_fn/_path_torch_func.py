@@ -517,7 +517,6 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     wherever saved-tensor hooks cannot be used); returns its output pytree.
     ``calls_torch_func``: the function is known to call a ``torch.func``
     transform itself (see :func:`keep_nothing`)."""
-    call.check_static()
     inputs, expand = distinct_inputs(call.inputs)
     name, debug = call.name, call.debug
     reach = reachable_tensors(call.reach_roots())

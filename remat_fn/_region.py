@@ -27,8 +27,6 @@ import torch
 
 from ._budget import BudgetPlanner
 from ._debug import checks
-from ._describe import describe
-from ._errors import RematError
 from ._pytree import flatten_output
 from ._rng_state import devices_of
 from .policies import memory_budget, normalize_policy
@@ -186,21 +184,6 @@ class RegionCall:
         """Every tensor among the arguments, static ones included."""
         leaves = optree.tree_leaves((self.args, self.kwargs), none_is_leaf=True)
         return [x for x in leaves if isinstance(x, torch.Tensor)]
-
-    def check_static(self) -> None:
-        """Static arguments are constants: a tensor there that requires grad is refused."""
-        if not (self.opts.static_argnums or self.opts.static_argnames):
-            return
-        if self._leaves is None:
-            self._flatten()
-        for a in (*self._static_args.values(), *self._static_kwargs.values()):
-            for x in optree.tree_leaves(a, none_is_leaf=True):
-                if isinstance(x, torch.Tensor) and x.requires_grad:
-                    raise RematError(
-                        f"remat({self.name}) got a tensor {describe(x)} that requires grad in a "
-                        "static argument; static arguments are constants and get no gradient. "
-                        "Fix: remove it from static_argnums/static_argnames."
-                    )
 
     def reach_roots(self) -> Any:
         """What the closed-over-tensor walk starts from: the function, plus any

@@ -41,13 +41,6 @@ def test_region_call_splits_statics_flattens_once_and_rebuilds():
     assert call.reach_roots() is not fun  # statics and non-tensor leaves are walked too
 
 
-def test_region_call_refuses_grad_tensors_in_static_arguments():
-    call = RegionCall(lambda x, w: x * w, "f", Options.create(static_argnums=1),
-                      (torch.ones(2), torch.ones(2, requires_grad=True)), {})
-    with pytest.raises(Exception, match="static argument"):
-        call.check_static()
-
-
 def test_region_call_checks_static_argnums_against_the_call():
     call = RegionCall(lambda x: x, "f", Options.create(static_argnums=3), (torch.ones(1),), {})
     with pytest.raises(ValueError, match="static_argnums contains 3"):

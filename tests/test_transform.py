@@ -142,11 +142,46 @@ def test_static_argnums_errors_name_the_fix():
         remat(3)
 
 
-def test_static_tensor_requiring_grad_is_refused():
-    rf = remat(lambda x, w: x * w, static_argnums=1)
-    w = torch.randn(3, requires_grad=True)
-    with pytest.raises(remat_fn.RematError, match="static"):
-        vmap(rf, in_dims=(0, None))(torch.randn(2, 3), w)
+@pytest.mark.parametrize("how", ["argnums", "argnames"])
+def test_static_tensor_gets_gradients_like_a_closed_over_tensor(how):
+    # a static argument is passed through as it is (never flattened); a tensor in it
+    # that requires grad gets exact gradients, as a tensor the function closes over
+    # does: in eager mode and under every torch.func transform, as the plain function
+    def f(x, p, n):
+        return (torch.tanh(x @ p["w"]) ** n).sum() + (p["w"] * x[0]).sum()
+
+    if how == "argnums":
+        rf = remat(f, static_argnums=(1, 2))
+
+        def call(fn, x, w):
+            return fn(x, {"w": w}, 2)
+    else:
+        rf = remat(f, static_argnames=("p", "n"))
+
+        def call(fn, x, w):
+            return fn(x, p={"w": w}, n=2)
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    w = torch.randn(3, 3, dtype=torch.float64)
+    one = torch.tensor(1.0, dtype=torch.float64)
+    transforms = {
+        "grad": lambda g: torch.func.grad(g, argnums=(0, 1))(x, w),
+        "vjp": lambda g: torch.func.vjp(g, x, w)[1](one),
+        "jacrev": lambda g: torch.func.jacrev(g, argnums=(0, 1))(x, w),
+        "vmap(grad)": lambda g: vmap(grad(g, argnums=(0, 1)), in_dims=(0, None))(x[:, None], w),
+        "hessian": lambda g: torch.func.hessian(g, argnums=1)(x, w),
+        "jvp": lambda g: torch.func.jvp(lambda w: g(x, w), (w,), (torch.ones_like(w),)),
+    }
+    got = {name: t(lambda x, w: call(rf, x, w)) for name, t in transforms.items()}
+    assert_tree_close(got, {name: t(lambda x, w: call(f, x, w)) for name, t in transforms.items()})
+    # eager autograd, and the gradient of the gradient
+    grads = []
+    for fn in (rf, f):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        g = torch.autograd.grad(call(fn, xr, wr), (xr, wr), create_graph=True)
+        grads.append((g, torch.autograd.grad(g[1].sum(), (xr, wr))))
+    assert_tree_close(grads[0], grads[1])
 
 
 class MLP(torch.nn.Module):
