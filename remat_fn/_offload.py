@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -46,7 +47,7 @@ from .policies import INPUT, NAMED, Offload, PolicyContext, decide
 
 __all__ = ["Offloader", "Stored", "Pool", "Arena", "POOL", "Meter", "stats", "reset_stats", "add_meter",
            "remove_meter", "input_offloads", "hooks_for_inputs", "requesting", "take_request", "tag_name", "hint",
-           "meta_args", "unaliased", "report_inputs", "FuncInputs"]
+           "meta_args", "unaliased", "report_inputs", "named_inputs", "offloads_names", "FuncInputs"]
 
 
 class _Local(threading.local):
@@ -359,7 +360,7 @@ def input_offloads(policy, tensors) -> dict[int, Offload]:
                     d = decide(policy, ctx, op, a, kw)
         finally:
             ctx.op_output = None
-        if isinstance(d, Offload) and (d.src is None or t.device.type == torch.device(d.src).type):
+        if isinstance(d, Offload) and _src_ok(t.device.type, d):
             out[i] = d
     return out
 
@@ -373,6 +374,39 @@ def unaliased(offloads: dict, tensors, outputs) -> dict:
     outs.discard(None)
     by_id = {id(t): t for t in tensors}
     return {k: d for k, d in offloads.items() if k in by_id and storage_ptr(by_id[k]) not in outs}
+
+
+def _src_ok(device_type: str, d: Offload) -> bool:
+    return d.src is None or device_type == torch.device(d.src).type
+
+
+def named_inputs(tensors, offload_ids: dict):
+    """``Record.on_input`` for the eager path: ``checkpoint_name`` on an argument of the
+    region, *inside* it, offloads the argument when the policy offloads that name (as a
+    name given before the call does): its id enters ``offload_ids``, the region's input
+    decisions, which the saves after it and the end of the forward consult.  (Ids only:
+    the listener lives as long as the region's record and must not hold the inputs.)"""
+    index = {id(t): t.device.type for t in tensors if _eligible(t)}
+
+    def on_input(base: torch.Tensor, d: Offload) -> None:
+        dev = index.get(id(base))
+        if dev is not None and _src_ok(dev, d):
+            offload_ids.setdefault(id(base), d)
+
+    return on_input
+
+
+def offloads_names(policy) -> bool:
+    """Whether ``policy`` may offload a value for its ``checkpoint_name``: it says so
+    (an ``offloads_names`` attribute, which a custom policy may set), or it offloads
+    names (``save_and_offload_only_these_names``) or combines one that does."""
+    flag = getattr(policy, "offloads_names", None)
+    if flag is not None:
+        return bool(flag)
+    if getattr(policy, "names_which_can_be_offloaded", None):
+        return True
+    inner = (getattr(policy, a, None) for a in ("policy_1", "policy_2", "policy"))
+    return any(offloads_names(p) for p in inner if p is not None)
 
 
 def report_inputs(sink: list, tensors, offloads: dict) -> None:
@@ -464,15 +498,52 @@ class FuncInputs:
     ``hints``: per output, what :meth:`Record.hint_outputs` found.
     """
 
-    __slots__ = ("decisions", "stored", "hints")
+    __slots__ = ("single", "names", "decisions", "stored", "hints")
 
     def __init__(self, decisions: dict[int, Offload]):
         # only a region called under exactly one transform (grad or vjp) offloads:
         # under grad(grad) functorch also runs the Function one level down, where
         # the lone wrapper left is the outer level's
-        self.decisions = decisions if len(transform_stack()) == 1 else {}
+        self.single = len(transform_stack()) == 1
+        self.decisions = decisions if self.single else {}
+        self.names = False  # arguments named inside the region may be offloaded (see listen)
         self.stored: dict[int, Stored] = {}
         self.hints: list = []
+
+    def listen(self, rec, inputs) -> None:
+        """Let ``checkpoint_name`` on an argument *inside* the region offload it
+        (``rec.on_input``), as a name given before the call does, where the policy can
+        offload by name (:func:`offloads_names`).  Such a region runs again in backward
+        (:attr:`rerun`), as one whose arguments are offloaded: the forward's own graph
+        would hold its differentiated arguments (the leaves of its ``vjp`` level), so
+        only the Function's copy, stored by :meth:`save`, can leave the device."""
+        self.names = self.single and offloads_names(rec.policy)
+        if not self.single:
+            return  # (nested transforms: arguments are kept as they are, named or not)
+        index = {id(_base(t)): (i, t.device.type) for i, t in enumerate(inputs)
+                 if _eligible(t) and _func_eligible(t)}
+        decisions, names = self.decisions, self.names
+
+        def on_input(base: torch.Tensor, d: Offload) -> None:
+            hit = index.get(id(base))
+            if hit is None or hit[0] in decisions or not _src_ok(hit[1], d):
+                return
+            if not names:
+                warnings.warn(
+                    f"checkpoint_name named an argument of a remat region that the policy {rec.policy!r} "
+                    "offloads, but under torch.func the argument stays on the device: the policy does "
+                    "not say it offloads by name. Fix: set offloads_names = True on the policy (an "
+                    "attribute, as remat_fn's name policies have), or name the argument before the call.",
+                    stacklevel=2)
+                return
+            decisions[hit[0]] = d
+
+        rec.on_input = on_input
+
+    @property
+    def rerun(self) -> bool:
+        """Backward runs the function again: arguments are offloaded, or may be once named."""
+        return bool(self.decisions) or self.names
 
     def save(self, inputs, outputs, offloader: Offloader | None) -> list:
         """What ``setup_context`` saves for backward: ``inputs`` with the offloaded

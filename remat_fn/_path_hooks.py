@@ -29,7 +29,7 @@ from ._debug import OpTrace, format_traces
 from ._describe import describe_meta
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_input
 from ._functorch import forward_mode_active, storage_ptr
-from ._offload import hooks_for_inputs, input_offloads, report_inputs, requesting, unaliased
+from ._offload import hooks_for_inputs, input_offloads, named_inputs, report_inputs, requesting, unaliased
 from ._ops import PLAIN
 from ._profile import active, storage_bytes, timer
 from ._record import Record, paused, saving
@@ -467,6 +467,7 @@ def run_with_hooks(call: RegionCall) -> Any:
     if policy is not None and not fwd_mode:
         frame.rec = Record(policy)
         frame.offload_ids = {id(tensors[i]): d for i, d in input_offloads(policy, tensors).items()}
+        frame.rec.on_input = named_inputs(tensors, frame.offload_ids)  # (named inside the region)
     _push_hooks(frame.pack, frame.unpack)
     try:
         with saving(frame.rec, recompute=False, tape=frame.tape):

@@ -550,12 +550,13 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         spec.rec = Record(policy)  # (without a policy: the op sequence, for the plan)
         if policy is not None:
             spec.offload = FuncInputs(input_offloads(policy, inputs))
+            spec.offload.listen(spec.rec, inputs)  # (arguments checkpoint_name names inside the region)
         # (under vmap the forward level's tensors belong to a vmap level gone by backward)
         # (strict: debug checks, early_stop=False or a generic context_fn, whose recompute
         # context wraps a run of the function: backward runs it again, as on the hooks path)
         # (nested in another region's forward: measured to keep more than the re-run under
         # deep nesting, see docs/design.md; such a region runs again in backward)
-        if keep_graph or call.strict or (spec.offload is not None and spec.offload.decisions) \
+        if keep_graph or call.strict or (spec.offload is not None and spec.offload.rerun) \
                 or nested or any(any_batched(t) for t in (*inputs, *captured)):
             spec.tape = Tape(func_path=True)  # backward re-runs the function
         else:  # backward differentiates the forward's graph, its saved tensors replayed

@@ -100,6 +100,8 @@ class Record:
         # storage -> keys of the entries holding a tensor on it, during the forward: a write
         # looks only at those (see before_mutation; a region stays linear in its length)
         self.by_storage: dict[int, set] = {}
+        # on_input(base, Offload): checkpoint_name named a region argument the policy offloads
+        self.on_input = None  # (set by the path: remat_fn._offload.named_inputs, FuncInputs.listen)
 
     def _index(self, key, tensors) -> None:
         for t in tensors:
@@ -224,8 +226,10 @@ class Record:
         finally:
             ctx.op_output = None
         where = self.producer.get(id(base))
-        if where is None or where[3]() is not base:
-            return  # an input of the region (always kept) or not made by an op
+        if where is None or where[3]() is not base:  # an argument of the region, or not made by an op
+            if isinstance(d, Offload) and self.on_input is not None:
+                self.on_input(base, d)  # (an argument: offloaded as offload_inputs offloads one)
+            return
         key, i, n, _ = where
         if d == "save":
             e = self.entries.setdefault(key, _Entry(None))

@@ -545,6 +545,113 @@ def test_named_input_is_offloaded_only_with_an_offload_name(offloaders):
     assert sum(o.to_dst for o in offloaders) == 1 and sum(o.to_src for o in offloaders) == 1
 
 
+def _named_inside(layer, h):
+    h = checkpoint_name(h, "checkpoint")  # the layer's input, named inside the region
+    return torch.tanh(layer(h))
+
+
+# DeepSpeed's cpu_checkpointing as docs/migration.md maps it, the name given inside the layer
+NAMED_INSIDE = P.save_and_offload_only_these_names(names_which_can_be_saved=[],
+                                                   names_which_can_be_offloaded=["checkpoint"], **CPU)
+
+
+@pytest.mark.parametrize("how", ["eager", "grad", "vjp"])
+def test_argument_named_inside_the_region_is_offloaded(how, offloaders):
+    """checkpoint_name on a region's argument inside the region: the policy offloads it as
+    it offloads an argument named before the call (it was kept on the device, reported as
+    'saved'), eager and under torch.func, with the gradients of plain code."""
+    layers = _layers()
+    x = torch.randn(8, 256)
+    params = {k: v.detach() for k, v in layers.named_parameters()}
+    remat_call = lambda layer, h: remat(_named_inside, policy=NAMED_INSIDE)(layer, h)  # noqa: E731
+
+    def loss(p, x, use):
+        return torch.func.functional_call(layers, p, (x, remat_call if use else _named_inside),
+                                          strict=True).square().sum()
+
+    layers.forward = lambda x, call: _stack(layers, x, call)  # (functional_call swaps the parameters)
+    if how == "eager":
+        ref_layers = copy.deepcopy(layers)
+        xr = x.clone().requires_grad_()
+        _stack(ref_layers, xr, lambda layer, h: _named_inside(layer, h)).square().sum().backward()
+        xt = x.clone().requires_grad_()
+        dev, host, out = _kept_after_forward(layers, xt, remat_call)
+        assert (dev, host) == (0, 4 * 8192)  # the four layer inputs left the device
+        out.square().sum().backward()
+        got, want = [xt.grad, *(p.grad for p in layers.parameters())], \
+            [xr.grad, *(p.grad for p in ref_layers.parameters())]
+    elif how == "grad":
+        want = torch.func.grad(loss, argnums=(0, 1))(params, x, False)
+        got = torch.func.grad(loss, argnums=(0, 1))(params, x, True)
+    else:
+        with LiveBytes() as m0:
+            y0, fn0 = torch.func.vjp(lambda p, x: loss(p, x, False), params, x)
+        with LiveBytes() as m1:
+            y1, fn1 = torch.func.vjp(lambda p, x: loss(p, x, True), params, x)
+            kept = m1.live, sum(m1.offloaded.values())
+        assert kept[1] == 4 * 8192 and m0.live - kept[0] >= 4 * 8192
+        want, got = fn0(torch.ones(())), fn1(torch.ones(()))
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        assert torch.equal(a, b), (a - b).abs().max()
+    # each layer's input was copied once and fetched once
+    assert [(o.to_dst, o.to_src) for o in offloaders if o.to_dst] == [(1, 1)] * 4
+    res = saved_residuals(lambda x: _stack(layers, x, remat_call), x)
+    assert [(r.kind, r.name, r.device.type) for r in res if r.kind != "closure"] == \
+        [("offloaded", "checkpoint", "cpu")] * 4
+
+
+def test_argument_named_inside_after_a_use_and_closures(offloaders):
+    """Named after an op saved it: that op's save keeps the argument as is, the later
+    ones read the copy (gradients as plain code); a tensor the region closes over,
+    named the same, is not an argument and is never offloaded."""
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def f(h):
+        a = torch.sin(h)  # saves h before it is named
+        h = checkpoint_name(h, "checkpoint")
+        v = checkpoint_name(w, "checkpoint")
+        return a * torch.tanh(h @ v)
+
+    x = torch.randn(4, 16)
+    xr, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want = torch.autograd.grad((f(xr * 1.0)).sum(), [xr, w])
+    got = torch.autograd.grad(remat(f, policy=NAMED_INSIDE)(xt * 1.0).sum(), [xt, w])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert [(o.to_dst, o.to_src) for o in offloaders if o.to_dst] == [(1, 1)]
+    g = torch.func.grad(lambda x: remat(f, policy=NAMED_INSIDE)(x * 1.0).sum())(x)
+    assert torch.equal(g, torch.func.grad(lambda x: f(x * 1.0).sum())(x))
+
+
+def test_custom_policy_offloading_a_name_under_torch_func(offloaders):
+    """A custom policy that offloads a name: eager, the argument named inside is
+    offloaded; under torch.func only if the policy says so (``offloads_names``), else a
+    warning names the fix and the argument stays on the device (gradients exact)."""
+    w = torch.randn(16, 16)
+
+    def pol(ctx, op, *args, **kwargs):
+        return P.Offload("cpu", "cpu") if op is P.NAMED and kwargs.get("name") == "c" else False
+
+    class Declared:
+        offloads_names = True
+
+        def __call__(self, ctx, op, *args, **kwargs):
+            return pol(ctx, op, *args, **kwargs)
+
+    def f(h):
+        return torch.tanh(checkpoint_name(h, "c") @ w)
+
+    x = torch.randn(4, 16)
+    want = torch.func.grad(lambda x: f(x * 1.0).sum())(x)
+    with pytest.warns(UserWarning, match="offloads_names = True"):
+        g = torch.func.grad(lambda x: remat(f, policy=pol)(x * 1.0).sum())(x)
+    assert torch.equal(g, want) and sum(o.to_dst for o in offloaders) == 0
+    g = torch.func.grad(lambda x: remat(f, policy=Declared())(x * 1.0).sum())(x)
+    assert torch.equal(g, want) and sum(o.to_dst for o in offloaders) == 1
+    xt = x.clone().requires_grad_()
+    remat(f, policy=pol)(xt * 1.0).sum().backward()
+    assert torch.equal(xt.grad, want) and sum(o.to_dst for o in offloaders) == 2
+
+
 def test_offload_inputs_rules():
     w = torch.nn.Parameter(torch.randn(4, 4))
     x = torch.randn(2, 4)
