@@ -1,27 +1,37 @@
-"""Hugging Face ``transformers`` gradient checkpointing with ``remat_fn.compat.checkpoint``.
+"""Hugging Face ``transformers`` gradient checkpointing with remat_fn: ``enable_hf_remat``.
 
-``transformers`` models take the checkpoint function as an argument, so
-swapping torch's for remat_fn's drop-in is one line::
+One call switches a model's checkpointing to remat_fn, with any policy, before
+or after transformers' own ``gradient_checkpointing_enable()``::
 
-    model._set_gradient_checkpointing(True, gradient_checkpointing_func=remat_fn.compat.checkpoint)
+    remat_fn.compat.enable_hf_remat(model, policy=remat_fn.policies.dots_saveable)
 
 Eager training behaves as before; in addition the model now trains and
 differentiates under ``torch.func`` (``functional_call`` + ``grad``), where
-torch's checkpoint raises.  A tiny GPT-2 is built from a config: no download.
+torch's checkpoint raises (and where the input-embedding hook transformers'
+switch installs fails: ``enable_hf_remat`` removes it).  A tiny GPT-2 is built
+from a config: no download.
 
 Run: python examples/hf_compat.py [--small]    (needs: pip install transformers)
 """
 
 import argparse
 import copy
-import functools
 import os
+import warnings
 
 import torch
 from torch.func import functional_call, grad
 
-import remat_fn.compat
+import remat_fn
+from remat_fn.compat import enable_hf_remat
 from remat_fn.memory import LiveBytes, MiB
+
+
+def hf_switch(model):
+    """transformers' own switch (renamed activation_checkpointing_enable in transformers 5)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
 
 
 def main(small: bool = False):
@@ -40,13 +50,22 @@ def main(small: bool = False):
     ids = torch.randint(0, 128, (4, seq))
     params = {k: v.detach() for k, v in base.named_parameters()}
 
-    torch_ckpt = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
-    for fn, name in ((None, "no checkpointing"),
-                     (torch_ckpt, "torch.utils.checkpoint"),
-                     (remat_fn.compat.checkpoint, "remat_fn.compat.checkpoint")):
+    def plain(model):
+        pass
+
+    def remat_full(model):
+        hf_switch(model)  # transformers' own switch first (as a Trainer would), then ours
+        enable_hf_remat(model)
+
+    def remat_dots(model):
+        enable_hf_remat(model, policy=remat_fn.policies.dots_saveable)
+
+    for setup, name in ((plain, "no checkpointing"),
+                        (hf_switch, "transformers' switch"),
+                        (remat_full, "enable_hf_remat"),
+                        (remat_dots, "enable_hf_remat(dots)")):
         model = copy.deepcopy(base)
-        if fn is not None:  # what gradient_checkpointing_enable() does, with our function
-            model._set_gradient_checkpointing(True, gradient_checkpointing_func=fn)
+        setup(model)
         with LiveBytes() as m:
             out = model(ids, labels=ids)
             after = m.live
@@ -63,7 +82,7 @@ def main(small: bool = False):
             func = f"torch.func.grad: peak {m.peak / MiB:5.1f} MiB, |g| {norm:.4f}"
         except RuntimeError as e:
             func = "torch.func.grad fails (" + str(e).splitlines()[0][:60] + "...)"
-        print(f"{name:27s} {eager}; {func}")
+        print(f"{name:22s} {eager}; {func}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ EXPECTED = {
     "per_sample_grads.py": "matches a loop: OK",
     "maml.py": "equals the plain one (second order): OK",
     "hvp.py": "matches torch.func.hessian",
-    "hf_compat.py": "remat_fn.compat.checkpoint",
+    "hf_compat.py": "enable_hf_remat",
 }
 
 
@@ -43,5 +43,7 @@ def test_example_runs(script):
     assert EXPECTED[script] in out, out
     if script == "hf_compat.py":
         lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
-        assert "fails" in lines["torch.utils.checkpoint"]  # torch's checkpoint cannot run under grad
-        assert "torch.func.grad: peak" in lines["remat_fn.compat.checkpoint"]
+        assert "fails" in lines["transformers'"]  # its hook and torch's checkpoint cannot run under grad
+        norm = lines["no"].split("|g|")[1]
+        for row in ("enable_hf_remat", "enable_hf_remat(dots)"):
+            assert "torch.func.grad: peak" in lines[row] and lines[row].split("|g|")[1] == norm

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -198,3 +199,142 @@ def test_gpt2_step_holds_no_more_than_torch_checkpoint(dropout):
         found[name] = (after, bwd.peak)
     assert found["remat"][0] <= found["torch"][0] * 1.01, found
     assert found["remat"][1] <= found["torch"][1] * 1.01, found
+
+
+# ---------------------------------------------------------------------------
+# remat_fn.compat.enable_hf_remat: the public switch
+# ---------------------------------------------------------------------------
+
+
+def llama(dropout=0.0):
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, attention_dropout=dropout,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+HF_MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert}
+
+
+def _hf_switch(model, **kwargs):
+    """transformers' own switch, as a user or the Trainer's gradient_checkpointing=True calls
+    it (renamed activation_checkpointing_enable in transformers 5, the old name deprecated)."""
+    fn = getattr(model, "activation_checkpointing_enable", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        if fn is not None:
+            fn(**kwargs)
+        else:
+            model.gradient_checkpointing_enable(**kwargs)
+
+
+@pytest.fixture
+def hf_calls(monkeypatch):
+    """How many times a layer called enable_hf_remat's checkpoint function."""
+    calls = []
+    orig = remat_fn.compat._HFRemat.__call__
+
+    def counting(self, function, *args, **kwargs):
+        calls.append(self)
+        return orig(self, function, *args, **kwargs)
+
+    monkeypatch.setattr(remat_fn.compat._HFRemat, "__call__", counting)
+    return calls
+
+
+def _adamw_steps(model, inputs, n=3):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(n):
+        loss = model(**inputs).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kind", list(HF_MODELS))
+@pytest.mark.parametrize("policy", [None, remat_fn.policies.dots_saveable], ids=["full", "dots_saveable"])
+def test_enable_hf_remat_after_transformers_switch(kind, policy, hf_calls):
+    """After transformers' own gradient_checkpointing_enable(), whose input-embedding hook
+    makes functional_call + grad fail: enable_hf_remat removes the hook and swaps its
+    function in; AdamW steps and a torch.func gradient equal the model without
+    checkpointing, bitwise (the torch.func gradient of Llama within 1e-6, see below)."""
+    ref = HF_MODELS[kind]().train()
+    model = copy.deepcopy(ref)
+    inputs = _inputs("gpt2" if kind == "llama" else kind)
+    params = {k: v.detach() for k, v in ref.named_parameters()}
+    _hf_switch(model)
+    assert model._require_grads_hooks  # transformers 5 hooks the input embeddings
+    with pytest.raises(RuntimeError, match=r"requires_grad_\(\)"):
+        grad(lambda p: _func_loss(model, p, inputs, 0))(params)
+    assert remat_fn.compat.enable_hf_remat(model, policy=policy) is model
+    assert not getattr(model, "_require_grads_hooks", None)
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+    assert layers and all(isinstance(m._gradient_checkpointing_func, remat_fn.compat._HFRemat) for m in layers)
+
+    g0 = grad(lambda p: _func_loss(ref, p, inputs, 0))(params)
+    g1 = grad(lambda p: _func_loss(model, p, inputs, 0))(params)
+    assert len(hf_calls) == 2  # one per layer
+    # Llama's SiLU: torch.func.grad of plain code differs from eager autograd by an ulp
+    # (functorch decomposes silu_backward); remat's backward computes eager's numbers
+    assert_tree_close(g1, g0, exact=kind != "llama", rtol=1e-6, atol=1e-7)
+    eager = dict(zip(params, torch.autograd.grad(_func_loss(ref, dict(ref.named_parameters()), inputs, 0),
+                                                 list(ref.parameters()))))
+    assert_tree_close(g1, eager, exact=True)
+
+    want = _adamw_steps(ref, inputs)
+    got = _adamw_steps(model, inputs)
+    assert len(hf_calls) == 2 + 3 * 2
+    assert_tree_close(got, want, exact=True)
+
+
+def test_enable_hf_remat_survives_transformers_switch_after_it(hf_calls):
+    """enable_hf_remat first, then transformers' switch (what the Trainer's
+    gradient_checkpointing=True does in train()): the layers keep remat_fn's function,
+    every_n_layers honoured; offload=True (a function remat_fn replaces) warns; after
+    disable_hf_remat transformers' switch gives them torch's checkpoint again."""
+    model = gpt2(n_layer=4).train()
+    remat_fn.compat.enable_hf_remat(model)
+    _hf_switch(model, every_n_layers=2)
+    blocks = model.transformer.h
+    assert [b.gradient_checkpointing for b in blocks] == [True, False, True, False]
+    assert all(isinstance(b._gradient_checkpointing_func, remat_fn.compat._HFRemat) for b in blocks)
+    model(**_inputs("gpt2")).loss.backward()
+    assert len(hf_calls) == 2
+    # enable_hf_remat again keeps the layers transformers' switch chose
+    remat_fn.compat.enable_hf_remat(model, policy=remat_fn.policies.dots_saveable)
+    assert [b.gradient_checkpointing for b in blocks] == [True, False, True, False]
+    with pytest.warns(UserWarning, match="replaced by remat_fn's"):
+        _hf_switch(model, offload=True)
+    assert all(isinstance(b._gradient_checkpointing_func, remat_fn.compat._HFRemat) for b in blocks)
+
+    assert remat_fn.compat.disable_hf_remat(model) is model
+    assert not any(b.gradient_checkpointing for b in blocks)
+    _hf_switch(model)
+    assert all(b.gradient_checkpointing and b._gradient_checkpointing_func.func is torch.utils.checkpoint.checkpoint
+               for b in blocks)
+
+
+def test_enable_hf_remat_copies_and_refuses_what_it_cannot_switch():
+    model = remat_fn.compat.enable_hf_remat(gpt2(n_layer=4).train(), every_n_layers=1)
+    clone = copy.deepcopy(model)
+    _hf_switch(clone, every_n_layers=2)  # the copy's switch sets the copy's layers only
+    assert [b.gradient_checkpointing for b in clone.transformer.h] == [True, False, True, False]
+    assert all(isinstance(b._gradient_checkpointing_func, remat_fn.compat._HFRemat) for b in clone.transformer.h)
+    assert all(b.gradient_checkpointing for b in model.transformer.h)
+    wrapper = torch.nn.ModuleDict({"model": gpt2().train()})  # (a PEFT model holds the model so)
+    remat_fn.compat.enable_hf_remat(wrapper)
+    assert all(isinstance(b._gradient_checkpointing_func, remat_fn.compat._HFRemat)
+               for b in wrapper["model"].transformer.h)
+    remat_fn.compat.disable_hf_remat(wrapper)
+    assert not any(b.gradient_checkpointing for b in wrapper["model"].transformer.h)
+    with pytest.raises(TypeError, match="apply_remat"):
+        remat_fn.compat.enable_hf_remat(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="every_n_layers"):
+        remat_fn.compat.enable_hf_remat(gpt2(), every_n_layers=0)
+    with pytest.raises(remat_fn.PolicyError):
+        remat_fn.compat.enable_hf_remat(gpt2(), policy="dots_saveable")
