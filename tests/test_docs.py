@@ -238,3 +238,66 @@ def test_recipes_functional_loop_dropout_follows_eval():
         for b in net.blocks:  # no dropout at all: the plain residual MLP
             x = x + b.fc2(torch.relu(b.fc1(x)))
         torch.testing.assert_close(out, x)
+
+
+# -- the API reference's rendering (docs/_griffe, docs/_hooks) ----------------------------
+
+
+def _docs_module(relpath: str, name: str):
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / relpath)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sphinx_roles_render_as_references():
+    """docs/_griffe/sphinx_roles.py: ``:func:`x``` and friends become the name in code
+    inside an optional autorefs reference (a link where the site documents it, plain
+    code otherwise), ``~`` keeps the last component, ``::`` before a literal block
+    becomes ``:``; fenced code is left alone."""
+    pytest.importorskip("griffe")
+    roles = _docs_module("docs/_griffe/sphinx_roles.py", "_docs_sphinx_roles")
+    resolve = {"RegionStats": "remat_fn._profile.RegionStats"}.get
+    out = roles.render_roles(
+        "See :func:`remat_fn.remat`, :class:`~remat_fn.RematError` and :class:`RegionStats`;\n"
+        ":py:meth:`title <remat_fn.Profile.table>` too. A literal block::\n\n    code\n\n"
+        "```pycon\n>>> ':func:`kept`'\n```",
+        lambda t: resolve(t, t))
+    assert out == (
+        'See <autoref identifier="remat_fn.remat" optional>`remat_fn.remat`</autoref>, '
+        '<autoref identifier="remat_fn.RematError" optional>`RematError`</autoref> and '
+        '<autoref identifier="remat_fn._profile.RegionStats" optional>`RegionStats`</autoref>;\n'
+        '<autoref identifier="remat_fn.Profile.table" optional>`title`</autoref> too. A literal block:\n\n'
+        "    code\n\n```pycon\n>>> ':func:`kept`'\n```")
+
+
+def test_doctests_in_example_admonitions_are_fenced():
+    """docs/_griffe/doctest_blocks.py: a ``>>>`` session under ``Example:`` (an
+    admonition for griffe, Markdown inside) is fenced; ``Examples:`` is griffe's own."""
+    pytest.importorskip("griffe")
+    blocks = _docs_module("docs/_griffe/doctest_blocks.py", "_docs_doctest_blocks")
+    doc = "Summary.\n\nExample:\n    >>> 1 + 1\n    2\n\nExamples:\n    >>> 2\n    2\n"
+    assert blocks.fence_doctests(doc) == (
+        "Summary.\n\nExample:\n    ```pycon\n    >>> 1 + 1\n    2\n    ```\n\nExamples:\n    >>> 2\n    2")
+
+
+def test_table_code_breaks_between_words_only():
+    """docs/_hooks/code_breaks.py: in tables, a row's name (first cell) stays whole up
+    to 34 characters, its arguments may start a new line; other cells break between
+    the parts of an identifier, never inside a word; code outside tables is untouched."""
+    hook = _docs_module("docs/_hooks/code_breaks.py", "_docs_code_breaks")
+    html = ("<p><code>a_b</code></p><table><tr><th><code>run_it()</code></th></tr>"
+            "<tr><td><code>dots_with_no_batch_dims_saveable</code> <code>offload_inputs(policy=None)</code> "
+            "<code>test_checkpoint_warns_if_use_reentrant_not_passed</code></td>"
+            "<td><code>jax.checkpoint_policies</code> <code>RecomputeMismatchError</code> "
+            "<code>_saved_result</code> <code>f()</code></td></tr></table>")
+    assert hook.add_breaks(html) == (
+        "<p><code>a_b</code></p><table><tr><th><code>run_it()</code></th></tr>"
+        "<tr><td><code>dots_with_no_batch_dims_saveable</code> <code>offload_inputs(<wbr>policy=None)</code> "
+        "<code>test_<wbr>checkpoint_<wbr>warns_<wbr>if_<wbr>use_<wbr>reentrant_<wbr>not_<wbr>passed</code></td>"
+        "<td><code>jax.<wbr>checkpoint_<wbr>policies</code> <code>Recompute<wbr>Mismatch<wbr>Error</code> "
+        "<code>_saved_<wbr>result</code> <code>f()</code></td></tr></table>")

@@ -1,10 +1,13 @@
 """Griffe extension for the docs build: render bare ``>>>`` doctest blocks as code.
 
 The package's docstrings carry runnable ``>>>`` examples (they are doctested).
-Outside a Google-style ``Example:`` section, Markdown would render them as prose,
-so ``['argument']`` in an expected output becomes a broken reference link.  This
-extension fences each run of doctest lines (a ``>>>`` line, its ``...``
-continuations and the expected output up to a blank line) as ``pycon``.
+Outside the Google-style sections griffe parses itself (``Examples:``, plural, is
+one of them), Markdown would render them as prose: ``>>>`` as three nested block
+quotes, ``['argument']`` in an expected output as a broken reference link.  That
+includes ``Example:`` (singular) and ``Note:``, which griffe renders as admonitions
+with Markdown bodies.  This extension fences each run of doctest lines (a ``>>>``
+line, its ``...`` continuations and the expected output up to a blank line) as
+``pycon``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,13 @@ import re
 
 import griffe
 
-_SECTION = re.compile(r"^\s*(Examples?|Args|Arguments|Returns|Raises|Yields|Note|Notes):\s*$")
+# the sections griffe's Google parser parses (their doctests are its business);
+# any other ``Title:`` section (Example, Note, Warning, ...) is an admonition
+_SECTION = re.compile(
+    r"^\s*(Examples|Args|Arguments|Params|Parameters|Keyword Args|Keyword Arguments|Other Args|"
+    r"Other Arguments|Other Params|Other Parameters|Raises|Exceptions|Returns|Yields|Receives|"
+    r"Attributes|Functions|Methods|Classes|Modules|Warns|Warnings):\s*$"
+)
 
 
 def fence_doctests(text: str) -> str:
