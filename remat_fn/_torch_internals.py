@@ -46,7 +46,7 @@ __all__ = [
     "is_view", "use_count", "schema", "saved_tensor_attrs",
 ]
 
-SUPPORTED_TORCH = ">=2.13,<2.15"
+SUPPORTED_TORCH = ">=2.12,<2.16"
 
 
 def _missing(what: str) -> ImportError:
