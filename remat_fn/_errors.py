@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
 
 from ._describe import describe
@@ -12,7 +17,10 @@ __all__ = [
     "MutatedSavedTensorError",
     "PolicyError",
     "mutated_input",
+    "explain_misuse",
 ]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class RematError(RuntimeError):
@@ -53,3 +61,27 @@ def mutated_outside(name: str, t: torch.Tensor, old: int, new: int) -> MutatedSa
         f"the forward (version {old} -> {new}). Fix: clone it before modifying it (x = x.clone()), "
         "or apply the in-place update (e.g. optimizer.step()) after the backward pass."
     )
+
+
+def explain_misuse(hint: Callable[[tuple, dict], str | None]) -> Callable[[F], F]:
+    """Decorator: a call that does not bind to the function's signature raises
+    Python's ``TypeError`` with ``hint(args, kwargs)`` appended (the fix for a
+    habit from another API; ``None``: the error as it is).  Calls that bind pay
+    one Python frame; ``inspect.signature`` still shows the function's own."""
+    def decorate(fn: F) -> F:
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except TypeError as e:
+                try:
+                    sig.bind(*args, **kwargs)
+                except TypeError:
+                    msg = hint(args, kwargs)
+                    if msg:
+                        raise TypeError(f"{e}. {msg}") from None
+                raise
+        return wrapper  # type: ignore[return-value]
+    return decorate

@@ -7,7 +7,11 @@ recomputed, the values its policy keeps, and what autograd holds of it
 directly), the bytes it keeps offloaded, by destination (values and inputs its
 policy offloads), and the bytes a plain call would have kept (every tensor
 autograd saves, counted once per storage).
-Regions are grouped by name.  Works on both autograd paths.
+Regions are grouped by name and policy: the calls of one function under one
+policy are one row (wrappers built anew for each call included), and two
+wrappers of a function with different policies are two rows, named
+``"name [policy]"`` (a name with one policy is its row's name as it is).
+Works on both autograd paths.
 
 >>> import torch, remat_fn
 >>> f = remat_fn.remat(lambda x: torch.sin(x).exp())
@@ -21,15 +25,18 @@ Regions are grouped by name.  Works on both autograd paths.
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
 from ._functorch import unwrap_all
 
-__all__ = ["profile", "Profile", "RegionStats", "active", "storage_bytes", "timer"]
+__all__ = ["profile", "Profile", "RegionStats", "RegionName", "region_name", "active", "storage_bytes",
+           "timer"]
 
 
 class _Local(threading.local):
@@ -39,11 +46,41 @@ class _Local(threading.local):
 _local = _Local()
 
 
+class RegionName(str):
+    """A region's name, as messages show it, that carries the region's policy
+    (normalised), so that :func:`profile` keeps the regions of one function under
+    different policies apart.  Made by :func:`region_name`."""
+
+    policy: Any = None
+
+
+def region_name(name: str, policy: Any) -> RegionName:
+    """``name`` as a :class:`RegionName` of a region with ``policy``."""
+    n = RegionName(name)
+    n.policy = policy
+    return n
+
+
+_ADDRESS = re.compile(r"<function (\S+) at 0x[0-9a-f]+>")
+
+
+def policy_label(policy: Any) -> str:
+    """A short, stable description of a (normalised) policy: ``"dots_saveable"``,
+    ``"memory_budget(fraction=0.5)"``, ``"ops(['aten.mm.default'])"``."""
+    if policy is None:
+        return "nothing_saveable"
+    if not dataclasses.is_dataclass(policy) and isinstance(getattr(policy, "__name__", None), str):
+        return policy.__name__  # a function
+    return _ADDRESS.sub(r"\1", repr(policy))
+
+
 @dataclasses.dataclass
 class RegionStats:
-    """Totals over the calls of one region (by name)."""
+    """Totals over the calls of one region (one function under one policy)."""
 
     name: str
+    #: the policy, described (``"nothing_saveable"``, ``"dots_saveable"``, ...)
+    policy: str = ""
     calls: int = 0
     recomputes: int = 0
     forward_s: float = 0.0
@@ -60,16 +97,29 @@ class RegionStats:
 
 
 class Profile:
-    """The report: ``regions`` maps a region's name to its :class:`RegionStats`."""
+    """The report: ``regions`` maps each region's row name to its :class:`RegionStats`."""
 
     def __init__(self) -> None:
-        self.regions: dict[str, RegionStats] = {}
+        self._rows: dict[tuple[str, str], RegionStats] = {}
         self._lock = threading.Lock()
 
+    @property
+    def regions(self) -> dict[str, RegionStats]:
+        """The rows by name: a function's name, or ``"name [policy]"`` where the
+        function ran under more than one policy (in the order first called)."""
+        with self._lock:
+            rows = list(self._rows.values())
+        count: dict[str, int] = {}
+        for r in rows:
+            count[r.name] = count.get(r.name, 0) + 1
+        return {r.name if count[r.name] == 1 else f"{r.name} [{r.policy}]": r for r in rows}
+
     def _get(self, name: str) -> RegionStats:
-        r = self.regions.get(name)
+        policy = policy_label(name.policy) if isinstance(name, RegionName) else ""
+        key = (str(name), policy)
+        r = self._rows.get(key)
         if r is None:
-            r = self.regions[name] = RegionStats(name)
+            r = self._rows[key] = RegionStats(str(name), policy)
         return r
 
     def record_call(self, name: str, seconds: float, kept: int, plain: int,
@@ -91,7 +141,8 @@ class Profile:
 
     def table(self) -> str:
         """The report as a Markdown table."""
-        off = any(r.offloaded_bytes for r in self.regions.values())
+        regions = self.regions
+        off = any(r.offloaded_bytes for r in regions.values())
         rows = ["| region | calls | forward (ms) | recomputes | recompute (ms) | kept (MiB) | plain (MiB) | kept/plain |"
                 + (" offloaded (MiB) |" if off else ""),
                 "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---|" if off else "")]
@@ -100,17 +151,18 @@ class Profile:
             return (" " + (", ".join(f"{n / 2**20:.3f} to {dst}" for dst, n in sorted(d.items())) or "0")
                     + " |") if off else ""
 
-        for r in self.regions.values():
+        for label, r in regions.items():
             rows.append(
-                f"| {r.name} | {r.calls} | {r.forward_s * 1e3:.2f} | {r.recomputes} | "
+                f"| {label} | {r.calls} | {r.forward_s * 1e3:.2f} | {r.recomputes} | "
                 f"{r.recompute_s * 1e3:.2f} | {r.kept_bytes / 2**20:.3f} | "
                 f"{r.plain_bytes / 2**20:.3f} | {r.saved_fraction:.2f} |" + offl(r.offloaded_bytes))
-        total_k = sum(r.kept_bytes for r in self.regions.values())
-        total_p = sum(r.plain_bytes for r in self.regions.values())
-        rows.append(f"| total | {sum(r.calls for r in self.regions.values())} | "
-                    f"{sum(r.forward_s for r in self.regions.values()) * 1e3:.2f} | "
-                    f"{sum(r.recomputes for r in self.regions.values())} | "
-                    f"{sum(r.recompute_s for r in self.regions.values()) * 1e3:.2f} | "
+        stats = list(regions.values())
+        total_k = sum(r.kept_bytes for r in stats)
+        total_p = sum(r.plain_bytes for r in stats)
+        rows.append(f"| total | {sum(r.calls for r in stats)} | "
+                    f"{sum(r.forward_s for r in stats) * 1e3:.2f} | "
+                    f"{sum(r.recomputes for r in stats)} | "
+                    f"{sum(r.recompute_s for r in stats) * 1e3:.2f} | "
                     f"{total_k / 2**20:.3f} | {total_p / 2**20:.3f} | "
                     f"{total_k / total_p if total_p else 0.0:.2f} |" + offl(self.offloaded_bytes()))
         return "\n".join(rows)

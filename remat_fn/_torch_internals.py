@@ -28,11 +28,21 @@ Notes, cited from the code as ``NOTE [name]``:
   (mutability, returns) from ``OpOverload._schema``.
 - NOTE [autograd nodes' saved tensors]: what plain autograd would save is read
   from a graph's nodes (``_saved_*`` attributes) where hooks are refused.
+- NOTE [dispatch modes and Dynamo]: torch wraps a dispatch mode's
+  ``__torch_dispatch__`` so that Dynamo never traces the mode's frames (a region's
+  recording mode must not be compiled when compiled code runs inside a region),
+  and that wrapper imports ``torch._dynamo`` (1.3-1.9 s) at the first op of any
+  mode.  remat_fn's modes subclass :class:`TorchDispatchMode` below, which opts out
+  of torch's wrapper (``_should_skip_dynamo``) and wraps the same way but only
+  once something else (``torch.compile``) has imported Dynamo: before that
+  nothing can be compiling, so a region's first call does not load the compiler.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import sys
 from typing import Any
 
 import torch
@@ -98,7 +108,7 @@ dispatch_stack_len = _attr(torch._C, "torch._C", "_len_torch_dispatch_stack")
 function_mode_enabled = _attr(torch._C, "torch._C", "_is_torch_function_mode_enabled")
 # autocast on for any device (one call instead of one per device type)
 any_autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", None)
-TorchDispatchMode = _from("torch.utils._python_dispatch", "TorchDispatchMode")
+_DispatchModeBase = _from("torch.utils._python_dispatch", "TorchDispatchMode")
 disable_current_modes = _from("torch.utils._python_dispatch", "_disable_current_modes")
 mode_stack = _from("torch.utils._python_dispatch", "_get_current_dispatch_mode_stack")
 FakeTensorMode = _from("torch._subclasses.fake_tensor", "FakeTensorMode")
@@ -158,3 +168,50 @@ def saved_tensor_attrs(node: Any) -> tuple[str, ...]:
     """The names under which an autograd node exposes what it saved
     (NOTE [autograd nodes' saved tensors])."""
     return tuple(a for a in dir(node) if a.startswith("_saved_"))
+
+
+# NOTE [dispatch modes and Dynamo]
+_eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+_set_strategy = getattr(_eval_frame, "set_code_exec_strategy", None)
+_Strategy = getattr(_eval_frame, "_FrameExecStrategy", None)
+_Action = getattr(_eval_frame, "_FrameAction", None)
+# without these (or torch's opt-out), torch's own wrapper stays: the same skipping,
+# with Dynamo imported at a mode's first op
+_LAZY_SKIP = None not in (_set_strategy, _Strategy, _Action) and hasattr(_DispatchModeBase, "_should_skip_dynamo")
+
+
+def _skipped_by_dynamo(fn: Any) -> Any:
+    """``fn`` as ``torch._disable_dynamo(fn, recursive=True)`` makes it, without
+    importing ``torch._dynamo`` before Dynamo is in use: Dynamo never traces the
+    wrapper's frame (torch._dynamo.eval_frame.skip_code, from the C module) and,
+    once Dynamo is loaded, runs ``fn`` under ``torch._dynamo.disable``."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def dispatch(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            dynamo = sys.modules.get("torch._dynamo")
+            if dynamo is None or not hasattr(dynamo, "disable"):
+                return fn(*args, **kwargs)  # Dynamo not loaded: nothing is compiling
+            disabled = dynamo.disable(fn, recursive=True)
+        return disabled(*args, **kwargs)
+
+    _set_strategy(dispatch.__code__, _Strategy(_Action.SKIP, _Action.DEFAULT))  # type: ignore[misc]
+    return dispatch
+
+
+class TorchDispatchMode(_DispatchModeBase):  # type: ignore[misc, valid-type]
+    """torch's ``TorchDispatchMode`` as remat_fn's modes subclass it: Dynamo skips
+    their ``__torch_dispatch__`` as torch arranges, without loading Dynamo before
+    it is used (NOTE [dispatch modes and Dynamo])."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return not _LAZY_SKIP  # (torch's wrapper: only where ours cannot be made)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        raw = cls.__dict__.get("__torch_dispatch__")
+        if _LAZY_SKIP and raw is not None and not isinstance(raw, classmethod):
+            cls.__torch_dispatch__ = _skipped_by_dynamo(raw)  # type: ignore[method-assign]

@@ -24,24 +24,37 @@ from typing import Any, TypeVar
 
 import torch
 
+from ._errors import explain_misuse
 from ._functorch import nested_forward_mode, transforms_active
 from ._path_compile import run_compiled
 from ._path_hooks import NeedsTorchFuncPath, hooks_enabled, run_with_hooks
 from ._path_torch_func import run_torch_func
+from ._profile import region_name
 from ._region import Options, RegionCall, entered, name_of
 from ._torch_internals import pop_hooks as _pop_hooks
 from ._torch_internals import push_hooks as _push_hooks
-from .policies import everything_saveable, normalize_policy
+from .policies import everything_saveable
 
 __all__ = ["remat", "checkpoint", "call_once", "make_wrapper", "RematFunction"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# the class a list-of-ops policy is normalised to (its ops do not pickle: by name)
-_OP_LIST = type(normalize_policy(()))
+
+# keywords of torch.utils.checkpoint.checkpoint that remat does not take
+_TORCH_CHECKPOINT_KWARGS = frozenset({"use_reentrant", "context_fn", "determinism_check", "early_stop"})
 
 
+def _torch_habit(args: tuple, kwargs: dict) -> str | None:
+    """The fix for calling ``remat`` as ``torch.utils.checkpoint.checkpoint(fn, *args)``."""
+    if len(args) <= 1 and not _TORCH_CHECKPOINT_KWARGS & kwargs.keys():
+        return None
+    return ("remat(fn) (alias checkpoint, as in JAX) takes only the function and returns a "
+            "wrapper to call with the arguments: remat(fn)(*args). For torch.utils.checkpoint's "
+            "form checkpoint(fn, *args, use_reentrant=..., ...), use "
+            "remat_fn.compat.checkpoint(fn, *args).")
 
+
+@explain_misuse(_torch_habit)
 def remat(
     fun: F | None = None,
     /,
@@ -70,10 +83,13 @@ def remat(
       through unchanged.
     - `policy`: which intermediate values to save (or offload) instead of
       recompute: one of :mod:`remat_fn.policies`, any torch selective-checkpoint
-      policy ``policy(ctx, op, *args, **kwargs)``, or a list of aten ops to save.
+      policy ``policy(ctx, op, *args, **kwargs)``, or a list of aten ops to save
+      (or one op, ``torch.ops.aten.mm.default``: a list of one).
       ``None`` (the default) is ``nothing_saveable``: only the inputs are kept.
     - `static_argnums` / `static_argnames`: arguments passed through as they
-      are, never flattened (tensors there are treated as constants).
+      are, never flattened (Python values that shape the computation).  A
+      tensor there that requires grad gets its gradient as a tensor ``fun``
+      closes over does, in eager mode and under ``torch.func``.
     - `prevent_cse`: accepted for JAX parity.  Eager PyTorch has no common
       subexpression elimination to prevent; under ``torch.compile`` the region
       is always traced as torch's checkpoint region, which the compiler
@@ -193,12 +209,8 @@ class RematFunction:
                 "rebuild it from its options. Fix: build the wrapper again after loading instead "
                 "of storing it on the pickled object (copy.deepcopy works), or set its _factory."
             )
-        kwargs = dict(self.remat_options)
-        ops = None
-        if isinstance(kwargs.get("policy"), _OP_LIST):
-            # a list of ops travels by name (torch's op objects do not pickle)
-            ops = tuple(sorted(str(op) for op in kwargs.pop("policy").ops))
-        return (_rebuild, (self._factory, self._fun, kwargs, ops))
+        # (a list-of-ops policy, normalised, pickles by op name itself)
+        return (_rebuild, (self._factory, self._fun, dict(self.remat_options)))
 
 
 class _SaveEverything(RematFunction):
@@ -217,11 +229,8 @@ class _SaveEverything(RematFunction):
         return _under(opts.outer_hooks(call), self._fun, *args, **kwargs)
 
 
-def _rebuild(factory: Callable[..., Any], fun: Any, kwargs: dict, ops: tuple[str, ...] | None = None) -> Any:
-    """Unpickling a :class:`RematFunction`: ``factory(fun, **kwargs)`` (``ops``: the
-    names of a list-of-ops policy, e.g. ``"aten.mm.default"``)."""
-    if ops is not None:
-        kwargs = dict(kwargs, policy=[functools.reduce(getattr, n.split("."), torch.ops) for n in ops])
+def _rebuild(factory: Callable[..., Any], fun: Any, kwargs: dict) -> Any:
+    """Unpickling a :class:`RematFunction`: ``factory(fun, **kwargs)``."""
     return factory(fun, **kwargs)
 
 
@@ -258,7 +267,7 @@ def make_wrapper(fun: Any, opts: Options) -> Any:
         wrapper.__doc__ = type(fun).__doc__
         wrapper.__module__ = type(fun).__module__
     wrapper._fun = fun
-    wrapper._name = name_of(fun)
+    wrapper._name = region_name(name_of(fun), opts.policy)  # (profile() rows: by name and policy)
     wrapper._opts = opts
     # what pickling rebuilds it with (None: it cannot be rebuilt from its public options)
     wrapper._factory = remat if opts.outer_hooks is None else None
@@ -269,13 +278,20 @@ def make_wrapper(fun: Any, opts: Options) -> Any:
 def call_once(fun, args: tuple, kwargs: dict, *, policy: Any = None, preserve_rng_state: bool = True,
               debug: bool = False):
     """``remat(fun, policy=..., ...)(*args, **kwargs)`` without building a wrapper:
-    the form of one-shot callers (``remat_fn.compat.checkpoint``), which would
-    otherwise pay for a new wrapper (signature checks, ``functools.wraps``) on
-    every call."""
-    opts = _call_once_opts(policy, preserve_rng_state, debug)
+    the form of one-shot callers (``remat_fn.compat.checkpoint``, the forward of
+    ``remat_fn.nn.remat_module``), which would otherwise pay for a new wrapper
+    (signature checks, ``functools.wraps``) on every call."""
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace into the options cache (a C function): while it
+        # traces, the options are built afresh, which it traces like any Python
+        opts = Options.create(policy=policy, preserve_rng_state=preserve_rng_state, debug=debug)
+        if opts.policy is everything_saveable:
+            return fun(*args, **kwargs)
+        return run_compiled(RegionCall(fun, name_of(fun), opts, args, kwargs))
+    opts = _opts_for(policy, preserve_rng_state, debug)
     if opts.policy is everything_saveable:
         return fun(*args, **kwargs)
-    return run_region(RegionCall(fun, name_of(fun), opts, args, kwargs))
+    return run_region(RegionCall(fun, region_name(name_of(fun), opts.policy), opts, args, kwargs))
 
 
 @functools.lru_cache(maxsize=256)
@@ -288,17 +304,6 @@ def _opts_for(policy: Any, preserve_rng_state: bool, debug: bool) -> Options:
         return _cached_opts(policy, preserve_rng_state, debug)
     except TypeError:  # an unhashable policy (a list of ops, a stateful object)
         return Options.create(policy=policy, preserve_rng_state=preserve_rng_state, debug=debug)
-
-
-# Validating options is plain Python that Dynamo need not trace (it cannot
-# trace the cache's key of a list of ops): run eagerly while compiling.
-_opts_compiling = torch.compiler.disable(_opts_for)
-
-
-def _call_once_opts(policy: Any, preserve_rng_state: bool, debug: bool) -> Options:
-    if torch.compiler.is_compiling():
-        return _opts_compiling(policy, preserve_rng_state, debug)
-    return _opts_for(policy, preserve_rng_state, debug)
 
 
 def run_region(call: RegionCall) -> Any:

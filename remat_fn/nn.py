@@ -25,13 +25,13 @@ No wrapper function is built per forward: the options are validated once (in
 from __future__ import annotations
 
 import copyreg
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ._transform import call_once, remat
+from ._transform import call_once
+from .policies import normalize_policy
 
 __all__ = ["remat_module", "apply_remat", "unremat_module", "is_remat_module"]
 
@@ -105,26 +105,6 @@ def _reduce_with_original(rv: Any, sub: type, cls: type) -> Any:
     return rv
 
 
-class _Ops(tuple):
-    """A list-of-ops policy as the module keeps it: a tuple (hashable, so its
-    options are built once) that pickles by op name (torch's op objects do not
-    pickle)."""
-
-    __slots__ = ()
-
-    def __reduce__(self):
-        return (_ops_by_name, (tuple(str(op) for op in self),))
-
-
-def _ops_by_name(names: tuple[str, ...]) -> _Ops:
-    """``("aten.mm.default", "aten.addmm")`` -> the ops ``torch.ops.aten.mm.default``, ..."""
-    return _Ops(functools.reduce(getattr, name.split("."), torch.ops) for name in names)
-
-
-def _noop():
-    return None
-
-
 def is_remat_module(module: torch.nn.Module) -> bool:
     """True if ``module``'s forward is rematerialised by :func:`remat_module`."""
     return "_remat_fn_original_class" in type(module).__dict__
@@ -147,9 +127,10 @@ def remat_module(module: torch.nn.Module, *, policy: Any = None) -> torch.nn.Mod
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"remat_module expects an nn.Module, got {type(module).__name__}")
-    remat(_noop, policy=policy)  # an invalid policy fails now, not at the first forward
-    if isinstance(policy, (list, tuple, set, frozenset)):
-        policy = _Ops(policy)  # a list of ops: hashable, and it pickles
+    # an invalid policy fails now, not at the first forward; a list of ops (or one
+    # op) is kept normalised: hashable, it pickles, and the object exists before
+    # torch.compile traces a forward (Dynamo takes it as a constant)
+    policy = normalize_policy(policy)
     if not is_remat_module(module):
         module.__class__ = _make_class(type(module))
     module.__dict__[_POLICY_ATTR] = policy
@@ -166,12 +147,16 @@ def unremat_module(module: torch.nn.Module) -> torch.nn.Module:
 
 def apply_remat(
     model: torch.nn.Module,
-    check_fn: Callable[[torch.nn.Module], bool],
+    check_fn: Callable[[torch.nn.Module], bool] | type | tuple[type, ...],
     *,
     policy: Any = None,
 ) -> torch.nn.Module:
     """Apply :func:`remat_module` in place to every submodule (``model`` included)
     for which ``check_fn(submodule)`` is true; returns ``model``.
+
+    ``check_fn`` may also be a module class or a tuple of classes, meaning
+    ``isinstance(submodule, check_fn)`` (as FSDP's wrap policies take classes):
+    ``apply_remat(model, nn.TransformerEncoderLayer)``.
 
     Matching modules nested in other matching modules become nested regions
     (more recomputation, less memory); pick ``check_fn`` to avoid that if it
@@ -183,7 +168,22 @@ def apply_remat(
     >>> [remat_fn.nn.is_remat_module(m) for m in net]
     [True, False, True]
     """
-    targets = [m for m in model.modules() if check_fn(m)]
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"apply_remat expects an nn.Module as model, got {type(model).__name__}. "
+                        "Fix: apply_remat(model, check_fn, policy=...).")
+    if isinstance(check_fn, type) or (
+        isinstance(check_fn, tuple) and check_fn and all(isinstance(c, type) for c in check_fn)
+    ):
+        classes = check_fn
+        targets = [m for m in model.modules() if isinstance(m, classes)]
+    elif callable(check_fn):
+        targets = [m for m in model.modules() if check_fn(m)]
+    else:
+        raise TypeError(
+            f"apply_remat's check_fn must be a function check_fn(module) -> bool, a module class or "
+            f"a tuple of classes; got {type(check_fn).__name__} {check_fn!r}. Fix: e.g. "
+            "apply_remat(model, lambda m: isinstance(m, Block)) or apply_remat(model, Block)."
+        )
     for m in targets:
         remat_module(m, policy=policy)
     return model

@@ -18,7 +18,8 @@ the value (its op is not re-run in backward), ``False`` / ``PREFER_RECOMPUTE``
 recompute it, ``MUST_RECOMPUTE`` on a name forces recomputation even if an op
 rule saved it, and an :class:`Offload` (or torch's ``MUST_CPU_OFFLOAD``) moves
 it to another device until backward needs it.  Any existing torch SAC policy
-function, or a list of ops ("save these"), works unchanged.
+function, or a list of ops ("save these"; one op alone means the same as a list
+of one), works unchanged.
 
 The built-in policies carry JAX's names.  Parameterised ones are frozen
 dataclasses, so they compare and hash:
@@ -394,8 +395,8 @@ class offload_inputs:
                 "offload_inputs(memory_budget(...)) is not supported: the budget plans what a region "
                 "saves on its own. Fix: use memory_budget alone, or offload_inputs with another policy."
             )
-        if isinstance(self.policy, (list, tuple, set, frozenset)):
-            object.__setattr__(self, "policy", _OpList(self.policy))
+        if isinstance(self.policy, (list, tuple, set, frozenset, OpOverload, OpOverloadPacket)):
+            object.__setattr__(self, "policy", normalize_policy(self.policy))
         elif self.policy is not None:
             normalize_policy(self.policy)  # validates now
         if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int) or self.min_bytes < 0:
@@ -490,34 +491,70 @@ def decide(policy, ctx, op, args, kwargs):
 
 
 class _OpList:
-    """A list of ops given as a policy: save exactly those ops."""
+    """A list of ops (or one op) given as a policy: save exactly those ops.
 
-    __slots__ = ("ops",)
+    It iterates over the ops in the order given, compares and hashes by the set
+    of ops (so equal lists share cached options), and pickles by op name
+    (torch's op objects do not pickle themselves)."""
+
+    __slots__ = ("ops", "_order")
 
     def __init__(self, ops):
-        items = set()
+        order: list = []
         for o in ops:
             if not isinstance(o, (OpOverload, OpOverloadPacket)):
                 raise PolicyError(
                     f"a list policy must contain aten ops (e.g. torch.ops.aten.mm.default), "
                     f"got {o!r}"
                 )
-            items.add(o)
-        self.ops = frozenset(items)
+            if o not in order:
+                order.append(o)
+        self._order = tuple(order)
+        self.ops = frozenset(order)
 
     def __call__(self, ctx, op, *args, **kwargs):
         return op is not NAMED and (op in self.ops or getattr(op, "overloadpacket", None) in self.ops)
 
+    def __iter__(self):
+        return iter(self._order)
+
+    def __len__(self):
+        return len(self._order)
+
+    def __eq__(self, other):
+        return isinstance(other, _OpList) and other.ops == self.ops
+
+    def __hash__(self):
+        return hash(self.ops)
+
+    def __reduce__(self):
+        return (_ops_by_name, (tuple(str(op) for op in self._order),))
+
     def __repr__(self):
         return f"ops({sorted(map(str, self.ops))})"
+
+
+def _ops_by_name(names: tuple[str, ...]) -> _OpList:
+    """Unpickling: ``("aten.mm.default", "aten.addmm")`` -> the policy of those ops."""
+    ops = []
+    for name in names:
+        op: Any = torch.ops
+        for part in name.split("."):
+            op = getattr(op, part)
+        ops.append(op)
+    return _OpList(ops)
 
 
 def normalize_policy(policy):
     """``None`` for "recompute everything", otherwise a callable policy."""
     if policy is None or policy is nothing_saveable:
         return None
+    if isinstance(policy, _OpList):
+        return policy
     if isinstance(policy, (list, tuple, set, frozenset)):
         return _OpList(policy)
+    if isinstance(policy, (OpOverload, OpOverloadPacket)):
+        return _OpList((policy,))  # one op: "save this op's outputs", as a list of one
     if isinstance(policy, str):
         hint = (f" Fix: policy=remat_fn.policies.{policy}" if callable(globals().get(policy))
                 else " Fix: pass a policy object, e.g. remat_fn.policies.dots_saveable")
@@ -533,6 +570,6 @@ def normalize_policy(policy):
         return policy
     raise PolicyError(
         f"policy must be None, a callable policy(ctx, op, *args, **kwargs) (e.g. one of "
-        f"remat_fn.policies) or a list of aten ops; got {type(policy).__name__} {policy!r}. "
+        f"remat_fn.policies), a list of aten ops or one aten op; got {type(policy).__name__} {policy!r}. "
         "Fix: pass e.g. policy=remat_fn.policies.dots_saveable."
     )

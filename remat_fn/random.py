@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from remat_fn import _random_impl as _impl
+from remat_fn._errors import explain_misuse
 
 __all__ = [
     "key",
@@ -406,6 +407,15 @@ def permutation(key: Tensor, n: int | Tensor, *, device: DeviceLike = None) -> T
 # ---------------------------------------------------------------------------
 
 
+def _keyless_dropout(args: tuple, kwargs: dict) -> str:
+    """The fix for calling ``dropout`` as torch's ``dropout(x, p)``, without a key."""
+    return ("remat_fn.random.dropout takes an explicit key first: dropout(key, x, p), e.g. "
+            "dropout(remat_fn.random.key(0), x, 0.1), with a new key for each call "
+            "(k1, k2 = remat_fn.random.split(key)); for dropout from the global RNG, as torch's "
+            "dropout(x, p), use torch.nn.functional.dropout.")
+
+
+@explain_misuse(_keyless_dropout)
 def dropout(key: Tensor, x: Tensor, p: float, *, training: bool = True) -> Tensor:
     """Zero each element of ``x`` with probability ``p``; scale the rest by ``1/(1-p)``.
 
@@ -503,7 +513,7 @@ def _check_key(key: object, fn: str) -> Tensor:
         raise TypeError(
             f"remat_fn.random.{fn}: key must be an int64 tensor of two uint32 words (from "
             f"remat_fn.random.key/split/fold_in), got dtype {dtype}. The key is the first "
-            "argument: did you pass a data tensor in its place?"
+            f"argument, remat_fn.random.{fn}(key, ...): did you pass a data tensor in its place?"
         )
     if tuple(key.shape) != (2,):
         if key.dim() >= 2 and key.shape[-1] == 2:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+import pickle
+
 import pytest
 import torch
 from torch.func import grad
@@ -185,3 +188,86 @@ def test_decorator_called_without_a_function_names_the_fix():
     torch.testing.assert_close(f(x, w1, w2), torch.tanh(x @ w1) @ w2)
     lin = torch.nn.Linear(4, 4)
     torch.testing.assert_close(remat(policy=None)(lin)(x), lin(x))
+
+
+# -- torch habits: each error names the fix (or the habit simply works) --------------
+
+
+def test_checkpoint_called_with_arguments_as_torch_names_remat_fn_and_compat():
+    # remat_fn.checkpoint is JAX's alias of remat: it takes the function only
+    x, w = torch.randn(2, 4), torch.randn(4, 4)
+
+    def block(x, w):
+        return torch.tanh(x @ w)
+
+    for call in (lambda: remat_fn.checkpoint(block, x, w), lambda: remat(block, x),
+                 lambda: remat_fn.checkpoint(block, use_reentrant=False)):
+        with pytest.raises(TypeError, match=r"remat\(fn\)\(\*args\).*remat_fn\.compat\.checkpoint\(fn, \*args\)"):
+            call()
+    # the two forms it points at give the plain result
+    torch.testing.assert_close(remat_fn.checkpoint(block)(x, w), block(x, w))
+    torch.testing.assert_close(remat_fn.compat.checkpoint(block, x, w), block(x, w))
+    # other misuses keep their own message
+    with pytest.raises(TypeError, match="expects a callable"):
+        remat(3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'polcy'") as ei:
+        remat(block, polcy=None)
+    assert "compat" not in str(ei.value)
+
+
+def test_a_single_op_as_policy_means_a_list_of_one():
+    # policy=torch.ops.aten.mm.default: save that op's outputs, as policy=[op] does
+    x = torch.randn(4, 8, requires_grad=True)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+
+    def block(x):
+        return torch.tanh(torch.tanh(x @ w1) @ w2)
+
+    for op in (torch.ops.aten.mm.default, torch.ops.aten.mm):
+        one, listed = remat(block, policy=op), remat(block, policy=[op])
+        kept = [(r.op, r.shape) for r in remat_fn.saved_residuals(one, x) if r.kind == "saved"]
+        assert kept == [(r.op, r.shape) for r in remat_fn.saved_residuals(listed, x) if r.kind == "saved"]
+        assert kept and all("mm" in str(o) for o, _ in kept), kept
+        torch.testing.assert_close(torch.autograd.grad(one(x).sum(), (x, w1, w2)),
+                                   torch.autograd.grad(block(x).sum(), (x, w1, w2)))
+        torch.testing.assert_close(grad(lambda x: one(x).sum())(x.detach()),
+                                   grad(lambda x: block(x).sum())(x.detach()))
+    # remat_module takes it too, and the module pickles with it
+    lin = remat_fn.nn.remat_module(torch.nn.Linear(8, 8), policy=torch.ops.aten.addmm.default)
+    twin = pickle.loads(pickle.dumps(lin))
+    torch.testing.assert_close(torch.autograd.grad(twin(x).sum(), x), torch.autograd.grad(lin(x).sum(), x))
+
+
+def test_apply_remat_takes_a_module_class_as_isinstance():
+    # torch habit: apply_remat(model, nn.Linear) (FSDP wrap policies take classes)
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))
+
+    is_remat = remat_fn.nn.is_remat_module
+    for check in (torch.nn.Linear, (torch.nn.Linear,), lambda m: isinstance(m, torch.nn.Linear)):
+        model = remat_fn.nn.apply_remat(net(), check)
+        assert [is_remat(m) for m in model] == [True, False, True]
+    model = remat_fn.nn.apply_remat(net(), (torch.nn.Linear, torch.nn.ReLU))
+    assert [is_remat(m) for m in model] == [True, True, True]
+    x = torch.randn(3, 2, requires_grad=True)
+    torch.testing.assert_close(torch.autograd.grad(model(x).sum(), x), torch.autograd.grad(net()(x).sum(), x))
+    # anything else names the forms it takes
+    for bad in ("Linear", 3, ()):
+        with pytest.raises(TypeError, match=r"check_fn must be a function.*Fix: e\.g\. apply_remat\(model"):
+            remat_fn.nn.apply_remat(net(), bad)
+
+
+def test_dropout_without_a_key_names_the_fix():
+    x = torch.randn(4, 8)
+    for call in (lambda: remat_fn.random.dropout(x, p=0.1), lambda: remat_fn.random.dropout(x, 0.1),
+                 lambda: remat_fn.random.dropout(x)):
+        with pytest.raises(TypeError, match=r"takes an explicit key first: dropout\(key, x, p\).*"
+                                            r"remat_fn\.random\.key\(0\).*torch\.nn\.functional\.dropout"):
+            call()
+    # a data tensor passed as the key (three arguments: it binds) is named as such
+    with pytest.raises(TypeError, match=r"key is the first argument, remat_fn\.random\.dropout\(key, \.\.\.\)"):
+        remat_fn.random.dropout(x, 0.1, True)
+    # the signature documented is the function's own
+    assert list(inspect.signature(remat_fn.random.dropout).parameters) == ["key", "x", "p", "training"]
+    assert remat_fn.random.dropout(remat_fn.random.key(0), x, 0.0) is x

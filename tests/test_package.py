@@ -32,6 +32,29 @@ def test_submodules_reachable_after_import_and_loaded_lazily():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+def test_import_and_eager_regions_do_not_load_the_compiler():
+    # torch._dynamo costs 1.3-1.9 s to import (docs/benchmarks.md#import-time): it
+    # loads when torch.compile is first used, not with remat_fn nor at a region's
+    # first call (torch's wrapper of a dispatch mode imports it at the first op)
+    code = (
+        "import sys, torch, remat_fn, remat_fn.nn, remat_fn.compat, remat_fn.random\n"
+        "assert 'torch._dynamo' not in sys.modules, 'import remat_fn imported torch._dynamo'\n"
+        "x = torch.randn(4, 4, requires_grad=True)\n"
+        "f = lambda x: torch.tanh(x @ x).sin().sum()\n"
+        "for g in (remat_fn.remat(f), remat_fn.remat(f, policy=remat_fn.policies.dots_saveable)):\n"
+        "    torch.testing.assert_close(torch.autograd.grad(g(x), x), torch.autograd.grad(f(x), x))\n"
+        "remat_fn.compat.checkpoint(f, x, use_reentrant=False).backward()\n"
+        "remat_fn.nn.remat_module(torch.nn.Linear(4, 4))(x).sum().backward()\n"
+        "remat_fn.saved_residuals(remat_fn.remat(f), x)\n"
+        "assert 'torch._dynamo' not in sys.modules, 'a region imported torch._dynamo'\n"
+        "c = torch.compile(remat_fn.remat(f), backend='eager', fullgraph=True)\n"
+        "torch.testing.assert_close(torch.autograd.grad(c(x), x), torch.autograd.grad(f(x), x))\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_unknown_attribute_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         remat_fn.nope  # noqa: B018

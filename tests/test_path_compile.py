@@ -121,6 +121,42 @@ def test_compile_policy_through_remat_and_compat():
     assert res["remat_policy"] == {"fw": 2, "bw": 4, "ok": True}
 
 
+def test_compile_fullgraph_over_remat_module_with_a_policy():
+    # issue 31: torch.compile(model, fullgraph=True) over remat_module(..., policy=...)
+    # broke the graph on a torch.compiler.disable'd helper; the policy still decides
+    # what the compiled backward recomputes (one op alone means a list of one)
+    res = _run(
+        """
+        import remat_fn.nn
+        out = {}
+
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w1 = torch.nn.Parameter(w1.detach().clone())
+                self.w2 = torch.nn.Parameter(w2.detach().clone())
+
+            def forward(self, x):
+                return torch.relu(torch.relu(x @ self.w1) @ self.w2).sin()
+
+        P = remat_fn.policies
+        for name, pol in [("none", None), ("dots", P.dots_saveable), ("fn", save_mm),
+                          ("list", [torch.ops.aten.mm.default]), ("one", torch.ops.aten.mm.default),
+                          ("packet", torch.ops.aten.mm)]:
+            m = remat_fn.nn.remat_module(Block(), policy=pol)
+            c = {}
+            torch._dynamo.reset()
+            g = torch.compile(m, backend=counting_backend(c), fullgraph=True)
+            out[name] = dict(ok=close(torch.autograd.grad(g(x).sum(), (x, m.w1, m.w2))), **c)
+        print(json.dumps(out))
+        """
+    )
+    print("compiled mm counts:", res)
+    assert res.pop("none") == {"fw": 2, "bw": 6, "ok": True}  # the 2 forward mm's are recomputed
+    for name, counts in res.items():
+        assert counts == {"fw": 2, "bw": 4, "ok": True}, (name, res)  # saved: nothing recomputed
+
+
 def test_compile_composes_with_torch_func():
     res = _run(
         """

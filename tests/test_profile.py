@@ -85,3 +85,33 @@ def test_nothing_is_recorded_outside_a_profile():
         pass
     f(*(t.requires_grad_() for t in _args())).sum().backward()
     assert prof.regions == {}
+
+
+def test_wrappers_of_one_function_with_different_policies_are_separate_rows():
+    plain, dots = remat(block), remat(block, policy=policies.dots_saveable)
+    with remat_fn.profile() as prof:
+        # (a wrapper built anew for a call joins the row of its function and policy)
+        for f in (plain, dots, plain, remat(block)):
+            x, w1, w2 = (t.requires_grad_() for t in _args())
+            f(x, w1, w2).sum().backward()
+        grad(lambda x: dots(x, *_args()[1:]).sum())(_args()[0])  # the torch.func path
+    assert list(prof.regions) == ["block [nothing_saveable]", "block [dots_saveable]"]
+    a, b = prof.regions["block [nothing_saveable]"], prof.regions["block [dots_saveable]"]
+    assert (a.name, a.policy, a.calls, a.recomputes) == ("block", "nothing_saveable", 3, 3)
+    assert (b.name, b.policy, b.calls, b.recomputes) == ("block", "dots_saveable", 2, 2)
+    assert a.kept_bytes == 3 * _total(saved_residuals(plain, *_args()))
+    assert b.kept_bytes == 2 * _total(saved_residuals(dots, *_args()))
+    assert b.kept_bytes / 2 > a.kept_bytes / 3  # per call, dots_saveable keeps the mm output too
+    text = str(prof)
+    assert "| block [nothing_saveable] | 3 |" in text and "| block [dots_saveable] | 2 |" in text
+    # modules of one class under two policies (remat_module: no wrapper, one call each)
+    lin1 = remat_fn.nn.remat_module(torch.nn.Linear(32, 32), policy=[torch.ops.aten.addmm.default])
+    lin2 = remat_fn.nn.remat_module(torch.nn.Linear(32, 32))
+    with remat_fn.profile() as prof:
+        x = _args()[0].requires_grad_()
+        lin2(lin1(x).tanh()).tanh().sum().backward()
+    assert sorted(prof.regions) == ["Linear.forward [nothing_saveable]", "Linear.forward [ops(['aten.addmm.default'])]"]
+    # a function with one policy keeps its plain name
+    with remat_fn.profile() as prof:
+        dots(*_args()).sum()
+    assert list(prof.regions) == ["block"] and prof.regions["block"].policy == "dots_saveable"
