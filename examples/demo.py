@@ -14,7 +14,10 @@ each policy that :mod:`remat_fn.policies` provides, both under
 ``torch.func.grad_and_value`` and in an eager ``loss.backward()`` loop
 (``torch.utils.checkpoint`` fails under ``torch.func``: the table says so),
 prints a table of activation memory (``LiveBytes`` peak and after-forward)
-against step time, and writes a plot of memory against time to ``--out``.
+against step time, notes how full remat's step compares with the no-remat step
+plus one forward of the model (the most its recompute adds) and what is left over
+(per-call overhead of the regions, which weighs most on a model this small), and
+writes a plot of memory against time to ``--out``.
 
 tqdm and matplotlib (the ``demo`` extra) are optional: without tqdm progress
 is printed as lines, without matplotlib the plot is skipped.
@@ -40,7 +43,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
-from torch.func import functional_call, grad_and_value
+from torch.func import functional_call, grad_and_value, vjp
 
 import remat_fn
 from remat_fn import random as rnd
@@ -308,11 +311,17 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str,
 
 
 def measure(model: GPT, params, cfg: Config, seed: int, rows, repeats: int, log=print,
-            timer=interleaved) -> list[dict]:
+            timer=interleaved, forward: dict | None = None) -> list[dict]:
     """Memory and step time of each ``(label, wrap)`` row, under torch.func and in eager
     autograd.  ``timer(fns, repeats) -> {name: seconds per round}`` times the steps of
     all rows alternating within each round; each time is reported as median and
-    min-max over the rounds."""
+    min-max over the rounds, and the rounds themselves (``func_rounds_ms``,
+    ``eager_rounds_ms``).
+
+    ``forward``, a dict, also gets the time of one forward of the plain model, timed
+    in the same rounds: ``forward["func"]`` (``torch.func.vjp`` of the loss, which runs
+    the forward only) and ``forward["eager"]`` (the loss with autograd recording),
+    each ``{"ms", "ms_min", "ms_max", "rounds_ms"}``: what one extra forward costs."""
     key = rnd.key(seed + 1)
     inputs, targets, mask = make_batch(rnd.fold_in(key, 0), cfg)
     k_drop = rnd.fold_in(key, 1)
@@ -367,15 +376,35 @@ def measure(model: GPT, params, cfg: Config, seed: int, rows, repeats: int, log=
 
     # step times: every variant in turn within each round
     fns = {f"{i}{k}": r[k] for i, r in enumerate(results) for k in ("_func", "_eager") if k in r}
+    if forward is not None:  # one forward of the plain model, in the same rounds
+        plain_calls = list(model.blocks)
+        plain_loss = make_loss_fn(model)
+
+        def forward_func():
+            model._calls = plain_calls
+            return vjp(lambda p: plain_loss(p, inputs, targets, mask, k_drop), params)[0]
+
+        def forward_eager():
+            model._calls = plain_calls
+            return masked_loss(model(inputs, k_drop), targets, mask)
+
+        fns["forward_func"], fns["forward_eager"] = forward_func, forward_eager
     samples = timer(fns, repeats)
+
+    def stats(seconds: list[float]) -> dict:
+        v = [t * 1e3 for t in seconds]
+        return {"ms": statistics.median(v), "ms_min": min(v), "ms_max": max(v), "rounds_ms": v}
+
     for i, r in enumerate(results):
         for k in ("_func", "_eager"):
             if k in r:
-                v = [t * 1e3 for t in samples[f"{i}{k}"]]
                 name = k.strip("_")
-                r[name + "_ms"] = statistics.median(v)
-                r[name + "_ms_min"], r[name + "_ms_max"] = min(v), max(v)
+                st = stats(samples[f"{i}{k}"])
+                r[name + "_ms"], r[name + "_ms_min"], r[name + "_ms_max"] = st["ms"], st["ms_min"], st["ms_max"]
+                r[name + "_rounds_ms"] = st["rounds_ms"]
                 del r[k]
+    if forward is not None:
+        forward["func"], forward["eager"] = stats(samples["forward_func"]), stats(samples["forward_eager"])
     model.wrap_blocks(remat_fn.remat)
     return results
 
@@ -420,6 +449,56 @@ def caption(cfg: Config, repeats: int) -> str:
         "spread, min-max over the rounds, in parentheses: a difference smaller than the spread is noise. "
         "torch.func = grad_and_value(functional_call); eager = loss.backward()."
     )
+
+
+def _spread(v: list[float], fmt: str = "{:.2f}") -> str:
+    return f"{fmt.format(statistics.median(v))} ({fmt.format(min(v))}-{fmt.format(max(v))})"
+
+
+def time_notes(results: list[dict], forward: dict, cfg: Config) -> str:
+    """What the step times say about remat's cost: full remat (``nothing_saveable``)
+    against no remat and against the no-remat step plus one forward (the most a
+    recompute of every block costs), per round (median (min-max) over rounds), and
+    where the rest goes."""
+    rows = {r["variant"]: r for r in results}
+    plain, full = rows.get("no remat"), rows.get("remat nothing_saveable (default)")
+    if not plain or not full:
+        return ""
+    parts, extra, noisy = [], {}, False
+    for mode, name in (("func", "under torch.func"), ("eager", "in eager autograd")):
+        key = f"{mode}_rounds_ms"
+        if key not in plain or key not in full or mode not in forward:
+            continue
+        b, r, f = plain[key], full[key], forward[mode]["rounds_ms"]
+        ratio = [ri / bi for ri, bi in zip(r, b)]
+        bound = [(bi + fi) / bi for bi, fi in zip(b, f)]
+        extra[mode] = statistics.median([ri - bi - fi for ri, bi, fi in zip(r, b, f)])
+        noisy = noisy or max(ratio) > 1.5 * min(ratio)
+        parts.append(f"{name} full remat takes {_spread(ratio)}x the no-remat step, against at most "
+                     f"{_spread(bound)}x for one extra forward ({forward[mode]['ms']:.1f} ms here)")
+    if not parts:
+        return ""
+    text = ("Time against one extra forward (ratios per round, median (min-max); the forward is one forward "
+            "of the plain model timed in the same rounds): " + "; ".join(parts) + ". ")
+    if noisy:
+        text += ("The ratios vary widely between rounds in this run (other work on the machine?): run again on an "
+                 "idle machine, or with --threads 1, before reading much into them. ")
+    over = {m: v for m, v in extra.items() if v > 0}
+    if over:
+        ms = " and ".join(f"{v:.1f} ms ({v / forward[m]['ms']:.1f}x the forward) "
+                          f"{'under torch.func' if m == 'func' else 'eager'}" for m, v in over.items())
+        text += (f"The rest, about {ms} per step, is what the {cfg.layers} regions cost beyond recomputing: "
+                 "per-call overhead (recording each call's aten ops in the forward, replaying them in backward "
+                 "and, under torch.func, the capture mode), Python and dispatcher work per op and per call that "
+                 "does not grow with the tensors; the forward timed is the whole model's, a little more than the "
+                 "blocks remat re-runs, so this understates it. It weighs most on a model as small as this one "
+                 f"(d_model {cfg.d_model}, {cfg.batch} x {cfg.seq_len} tokens); with large activations (wide layers, "
+                 "long sequences, big batches) the recompute dominates and remat costs about one extra forward "
+                 "or less (docs/benchmarks.md: an HF GPT-2 training step under full remat, eager, 1.30x the plain "
+                 "step against 1.48x for one extra forward).")
+    else:
+        text += "Full remat stays within the no-remat step plus one forward here."
+    return text
 
 
 def place_labels(points: list[tuple[float, float]], texts: list[str], *, marker: float = 7.0,
@@ -483,10 +562,25 @@ def place_labels(points: list[tuple[float, float]], texts: list[str], *, marker:
     return placed
 
 
-def plot(results: list[dict], path: str, title: str) -> bool:
+def time_axis(medians: list[float], maxima: list[float]) -> float:
+    """The right end of a time axis: every whisker when they all fit in 1.6x the
+    largest median, else 1.6x the largest median (the whiskers beyond are cut and
+    their maxima written under the panel), so one slow round cannot squeeze every
+    median into the left edge."""
+    top = max(medians)
+    return max(maxima) * 1.04 if max(maxima) <= 1.6 * top else 1.6 * top
+
+
+def plot(results: list[dict], path: str, title: str, forward: dict | None = None) -> bool:
     """Peak activation memory against step time: one panel per mode (torch.func,
     eager), one numbered point per variant, the numbers explained on the right
-    (labels placed so that they do not overlap; coinciding points share one)."""
+    (labels placed so that they do not overlap; coinciding points share one).
+
+    The time axis ends at 1.6x the slowest median (``time_axis``): a whisker
+    reaching past it is cut at the edge with an arrow and its maximum is written
+    under the panel.  With ``forward`` (``measure``'s), a dotted line marks the
+    no-remat step and a dashed one the no-remat step plus one forward, the most a
+    recompute of every block costs."""
     try:
         import matplotlib
 
@@ -494,28 +588,50 @@ def plot(results: list[dict], path: str, title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.4), sharey=True)
     cmap = plt.get_cmap("tab20")
     shown: list[list[tuple[float, float, str]]] = []
+    plain = next((r for r in results if r["variant"] == "no remat"), None)
     for ax, (mode, name) in zip(axes, (("func", "torch.func.grad_and_value"), ("eager", "eager .backward()"))):
         shown.append([])
-        for i, r in enumerate(results):
-            if f"{mode}_ms" not in r or f"{mode}_peak" not in r:
-                continue
+        timed = [(i, r) for i, r in enumerate(results) if f"{mode}_ms" in r and f"{mode}_peak" in r]
+        if not timed:
+            continue
+        right = time_axis([r[f"{mode}_ms"] for _, r in timed], [r[f"{mode}_ms_max"] for _, r in timed])
+        cut = []
+        for i, r in timed:
             x, y = r[f"{mode}_ms"], r[f"{mode}_peak"]
-            ax.errorbar([x], [y], xerr=[[x - r[f"{mode}_ms_min"]], [r[f"{mode}_ms_max"] - x]],
-                        color=cmap(i % 20), fmt="o", ms=7, capsize=3, zorder=3)
+            lo, hi = r[f"{mode}_ms_min"], r[f"{mode}_ms_max"]
+            ax.errorbar([x], [y], xerr=[[x - lo], [min(hi, right) - x]], color=cmap(i % 20), fmt="o", ms=7,
+                        capsize=3, zorder=3)
+            if hi > right:  # the whisker goes on past the edge: an arrow there, its maximum under the panel
+                ax.annotate("", xy=(right, y), xytext=(right - 0.035 * right, y), zorder=3, annotation_clip=False,
+                            arrowprops=dict(arrowstyle="-|>", color=cmap(i % 20), lw=1.2))
+                cut.append(f"{i + 1}: {hi:.0f}")
             shown[-1].append((x, y, str(i + 1)))
+        ax.set_xlim(0, right)
+        if plain is not None and forward and mode in forward and f"{mode}_ms" in plain:
+            base = plain[f"{mode}_ms"]
+            ax.axvline(base, color="0.45", ls=":", lw=1, zorder=1, label="no remat (median)")
+            ax.axvline(base + forward[mode]["ms"], color="0.45", ls="--", lw=1, zorder=1,
+                       label="no remat + one forward of the model\n(the most a full recompute adds)")
         failed = [str(i + 1) for i, r in enumerate(results) if f"{mode}_error" in r]
         sub = name + (f"  (fails here: {', '.join(failed)})" if failed else "")
         ax.set_title(sub, fontsize=9)
         ax.set_xlabel("training step time (ms): median, whiskers min-max")
+        if cut:
+            note = textwrap.fill("whiskers cut at the edge, their max (ms): " + ", ".join(cut), 62)
+            ax.text(0.0, -0.15, note, transform=ax.transAxes, fontsize=7.5, va="top", color="0.25")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("peak live activation bytes (MiB, LiveBytes)")
-    key = "\n".join(f"{i + 1}  {r['variant']}" for i, r in enumerate(results))
+    width = len(str(len(results)))
+    key = "\n".join(f"{i + 1:>{width}}  {r['variant']}" for i, r in enumerate(results))
     fig.text(0.70, 0.5, key, fontsize=8, va="center", family="monospace")
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:  # the reference lines, explained under the key
+        fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.695, 0.3), fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 0.69, 1))
+    fig.tight_layout(rect=(0, 0.07, 0.69, 1))
     fig.canvas.draw()  # final limits and layout: label positions are computed in points
     to_pt = 72.0 / fig.dpi
     for ax, pts in zip(axes, shown):
@@ -603,30 +719,34 @@ def main(argv: list[str] | None = None) -> dict:
     print(prof)
 
     rows = variants()
-    results = measure(model, params, cfg, args.seed, rows, args.repeats)
+    forward: dict = {}
+    results = measure(model, params, cfg, args.seed, rows, args.repeats, forward=forward)
     table = format_table(results)
     text = caption(cfg, args.repeats)
+    notes = time_notes(results, forward, cfg)
     print("\n" + textwrap.fill(text, 110, break_on_hyphens=False, break_long_words=False) + "\n")
     print(table)
     print("(offload policies move tensors from a GPU to the CPU; this machine has none, so they are not shown)")
+    if notes:
+        print("\n" + textwrap.fill(notes, 110, break_on_hyphens=False, break_long_words=False))
 
     info = {"python": platform.python_version(), "torch": torch.__version__,
             "machine": platform.machine(), "processor": platform.processor(),
             "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "remat_fn": remat_fn.__version__}
     out = {"info": info, "config": asdict(cfg), "size": args.size, "steps": args.steps,
            "seed": args.seed, "repeats": args.repeats, "losses": losses, "train_seconds": secs, "accuracy": acc,
-           "results": results}
+           "forward": forward, "results": results}
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump(out, fh, indent=2)
     with open(os.path.join(args.out, "table.md"), "w") as fh:
-        fh.write(text + "\n\n" + table + "\n")
+        fh.write(text + "\n\n" + table + "\n" + (f"\n{notes}\n" if notes else ""))
     written = []
     if not args.no_plot:
         p1 = os.path.join(args.out, "memory_vs_time.png")
         p2 = os.path.join(args.out, "loss.png")
         title = (f"GPT {cfg.layers}x{cfg.d_model}, batch {cfg.batch}x{cfg.seq_len}: "
                  "peak activation memory vs step time")
-        if plot(results, p1, title):
+        if plot(results, p1, title, forward):
             written.append(p1)
         if plot_loss(losses, p2):
             written.append(p2)

@@ -62,6 +62,14 @@ def test_demo_short_run(tmp_path):
     if plots:
         assert (tmp_path / "memory_vs_time.png").stat().st_size > 0
         assert (tmp_path / "loss.png").stat().st_size > 0
+    # one forward of the plain model, timed in the same rounds, and what the times say about it
+    for mode in ("func", "eager"):
+        f = res["forward"][mode]
+        assert len(f["rounds_ms"]) == 2 and f["ms_min"] <= f["ms"] <= f["ms_max"]
+        assert len(rows["no remat"][f"{mode}_rounds_ms"]) == 2
+    notes = table.split("\n\n")[2]
+    assert notes.startswith("Time against one extra forward") and "full remat takes" in notes
+    assert " ".join(notes.split()) in " ".join(out.split())
 
 
 def _demo_module():
@@ -105,3 +113,32 @@ def test_plot_labels_do_not_overlap():
         for j, (x, y) in enumerate(pts):
             if j not in own:
                 assert not _overlap(box, (x - r, y - r, x + r, y + r)), (t, j + 1)
+
+
+def test_time_axis_cuts_an_outlier_whisker():
+    """memory_vs_time.png: one slow round (a 1700 ms maximum among 20-40 ms medians)
+    no longer squeezes every median into the left edge; whiskers that fit are kept."""
+    axis = _demo_module().time_axis
+    assert axis([20.0, 30.0, 40.0], [25.0, 45.0, 1700.0]) == 1.6 * 40.0
+    assert axis([20.0, 30.0, 40.0], [25.0, 45.0, 50.0]) == 50.0 * 1.04
+
+
+def test_time_notes_compare_with_one_extra_forward():
+    """The notes under the table: full remat's step per round against the no-remat
+    step and the no-remat step plus one forward; what is left is named overhead."""
+    demo = _demo_module()
+    rows = [{"variant": "no remat", "func_rounds_ms": [40.0, 42.0, 38.0], "eager_rounds_ms": [30.0, 30.0, 30.0]},
+            {"variant": "remat nothing_saveable (default)", "func_rounds_ms": [74.0, 80.0, 70.0],
+             "eager_rounds_ms": [36.0, 36.0, 36.0]}]
+    fwd = {"func": {"ms": 8.0, "rounds_ms": [8.0, 8.0, 8.0]}, "eager": {"ms": 6.0, "rounds_ms": [6.0, 6.0, 6.0]}}
+    text = demo.time_notes(rows, fwd, demo.SIZES["tiny"])
+    assert "under torch.func full remat takes 1.85 (1.84-1.90)x the no-remat step" in text
+    assert "at most 1.20 (1.19-1.21)x for one extra forward (8.0 ms here)" in text
+    assert "in eager autograd full remat takes 1.20 (1.20-1.20)x" in text
+    assert "about 26.0 ms (3.2x the forward) under torch.func per step, is what the 2 regions cost beyond" in text
+    assert "vary widely" not in text
+    rows[1]["eager_rounds_ms"] = [36.0, 90.0, 36.0]  # one round 3x slower: a busy machine, said so
+    assert "The ratios vary widely between rounds" in demo.time_notes(rows, fwd, demo.SIZES["tiny"])
+    fwd["func"]["rounds_ms"] = [40.0, 40.0, 40.0]  # a forward dearer than the difference: nothing left over
+    fwd["eager"]["rounds_ms"] = [10.0, 10.0, 10.0]
+    assert "Full remat stays within the no-remat step plus one forward here" in demo.time_notes(rows, fwd, demo.SIZES["tiny"])
