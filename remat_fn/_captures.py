@@ -33,9 +33,11 @@ from ._functorch import (
     needs_grad,
     requires_grad_anywhere,
     storage_ptr,
+    transforms_active,
     unwrap_all,
     unwrap_one,
 )
+from ._ops import CALL_GRAD
 from ._region import region_depth
 from ._torch_internals import DisableFuncTorch, TorchDispatchMode
 
@@ -124,6 +126,10 @@ class CaptureMode(TorchFunctionMode):
         self.grab = grab
         self.grabbed: dict[tuple[int, int], torch.Tensor] = {}
         self.held: set[int] = set()  # see note_region_inputs
+        # the transforms active where the region was called (set aside inside its Function's
+        # forward: their wrappers are judged by them, see needs_grad)
+        self.levels: dict | None = None
+        self.regions = 0  # calls of regions nested directly in this one
 
     def _fix(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -132,9 +138,13 @@ class CaptureMode(TorchFunctionMode):
                 self.hits.add(id(x))
                 return r
             known = self.known
-            if (known is not None and id(x) not in known and needs_grad(x)
-                    and not self._inner(x) and not self._made_inside(x)):
-                raise MissedCapture(x)
+            if known is not None and id(x) not in known and not self._inner(x) and not self._made_inside(x):
+                if needs_grad(x, self.levels):
+                    raise MissedCapture(x)
+                if self.levels is not None and from_lowered_level(x):
+                    # a constant wrapped at a level set aside here (a BatchNorm's statistics
+                    # under grad of grad): the plain tensor below, as plain code reads it
+                    return unwrap_all(x)
             return x
         tx = type(x)
         if tx is tuple or tx is list:
@@ -218,6 +228,7 @@ class CaptureMode(TorchFunctionMode):
         """A region nested in this one returned ``outs`` (see note_region_outputs)."""
         if region_depth() != self.depth + 1:
             return
+        self.regions += 1
         self._made(self.calls, outs, ())
         self.calls += 1
 
@@ -236,6 +247,7 @@ class CaptureMode(TorchFunctionMode):
                 self.grabbed[(call, i)] = made[i]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        given = args[0] if args else None  # (before _fix: a constant of a level set aside, unwrapped there)
         args = self._fix(args)
         kwargs = self._fix(kwargs) if kwargs else {}
         out = None
@@ -244,10 +256,20 @@ class CaptureMode(TorchFunctionMode):
             if ((inputs is not None and id(a0) in inputs)
                     or (self.input_storages and storage_ptr(a0) in self.input_storages)):
                 raise mutated_input(self.name, a0)
-            if from_lowered_level(a0) and not _carry_grad(args, kwargs):
+            if isinstance(given, torch.Tensor) and given is not a0 and from_lowered_level(given):
+                a0 = given
+            # (or a plain constant under the region's own level: a buffer an enclosing region
+            # was given, num_batches_tracked.add_(1), which plain code writes at its level)
+            if (from_lowered_level(a0) or (self.levels is not None and not is_wrapped(a0) and not a0.requires_grad
+                                           and transforms_active())) and not _carry_grad(args, kwargs):
                 out = _write_below(func, a0, args, kwargs)
         if out is None:
-            out = func(*args, **kwargs)
+            grad = CALL_GRAD.value
+            CALL_GRAD.value = torch.is_grad_enabled()  # (what the tape records, see CALL_GRAD)
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                CALL_GRAD.value = grad
         if self.known is not None:
             self._note(out)
         if region_depth() == self.depth:

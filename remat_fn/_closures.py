@@ -24,8 +24,8 @@ import torch
 
 from ._describe import describe
 from ._errors import MutatedSavedTensorError
-from ._functorch import needs_grad, storage_ptr, unwrap_all
-from ._torch_internals import version
+from ._functorch import any_batched, needs_grad, storage_ptr, unwrap_all
+from ._torch_internals import DisableTorchFunction, version
 
 __all__ = ["Reachable", "reachable_tensors"]
 
@@ -92,8 +92,10 @@ class Reachable:
                 )
 
     def captured(self, exclude: set[int]) -> list[torch.Tensor]:
-        """The reachable tensors that need a gradient and are not in ``exclude``."""
-        return [t for i, t in self.tensors.items() if i not in exclude and needs_grad(t)]
+        """The reachable tensors that need a gradient, or are batched by an active ``vmap`` (its
+        level is set aside inside the region's Function, whose vmap rule handles its inputs),
+        and are not in ``exclude``."""
+        return [t for i, t in self.tensors.items() if i not in exclude and (needs_grad(t) or any_batched(t))]
 
     def relocated(self, replace: dict | None = None):
         """Context manager putting every tensor back where it was found (or, for the
@@ -152,11 +154,12 @@ def _version(t: torch.Tensor) -> int | None:
     no storage of its own (a transform's wrapper seen while its level is live,
     which is gone once the level exits and so cannot be mutated afterwards)."""
     t = unwrap_all(t)
-    try:
-        t.untyped_storage()
-        return version(t)
-    except (RuntimeError, NotImplementedError):
-        return None
+    with DisableTorchFunction():  # (bookkeeping: no enclosing region's CaptureMode polices it)
+        try:
+            t.untyped_storage()
+            return version(t)
+        except (RuntimeError, NotImplementedError):
+            return None
 
 
 _NULL = contextlib.nullcontext()

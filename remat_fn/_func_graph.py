@@ -26,7 +26,7 @@ from ._torch_internals import DisableFuncTorch, dispatch_stack_len, function_mod
 from .memory import storage_released
 
 __all__ = ["KeepHandles", "Unpack", "alias_output", "release_outputs", "from_graph", "note_storage",
-           "saved_storages", "can_drop_graph"]
+           "saved_storages", "can_drop_graph", "foreign_functions"]
 
 
 _NULL = contextlib.nullcontext()
@@ -137,7 +137,7 @@ def from_graph(spec, tensors, wrt, grads) -> tuple:
     tape's replay, so the function does not run again (its Python side effects happen
     once).  Only where nothing outside differentiates this backward: no other grad level
     (see can_drop_graph) and no forward-mode level (``hessian``: the replayed values
-    carry no tangents)."""
+    carry no tangents); there remat_fn._replay_live replays the recorded forward."""
     cot: list = [None] * len(spec.dmeta)
     for g, p in zip(grads, spec.dpos):
         if g is not None and p is not None:
@@ -200,3 +200,20 @@ def can_drop_graph(saved, grads) -> bool:
         return not alive
     this = max(lv for lv, _ in wrappers)
     return all(lv == this for lv in alive)
+
+
+def foreign_functions(roots, own) -> bool:
+    """True when the graph behind ``roots`` holds a custom ``autograd.Function`` other than
+    the regions' own (class ``own``): its recorded forward ops are not what autograd
+    differentiates through it (its ``backward`` is), so no replay of them can stand in."""
+    seen: dict[int, Any] = {}
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        if isinstance(node, torch.autograd.function.BackwardCFunction) and not isinstance(node, own):
+            return True
+        stack.extend(n for n, _ in node.next_functions)
+    return False

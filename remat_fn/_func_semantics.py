@@ -22,6 +22,7 @@ function and its caller what plain code would:
 from __future__ import annotations
 
 import contextlib
+import sys
 import types
 from collections.abc import Iterator
 
@@ -29,8 +30,10 @@ import optree
 import torch
 
 from ._closures import reachable_tensors
-from ._describe import describe
-from ._errors import RematError
+from ._describe import describe, describe_meta
+from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_outside
+from ._functorch import storage_ptr, unwrap_if_dead
+from ._tape import Value
 from ._torch_internals import disable_hooks as _disable_hooks
 from ._torch_internals import enable_hooks as _enable_hooks
 from ._torch_internals import hooks_disabled_message as _hooks_off_message
@@ -38,9 +41,11 @@ from ._torch_internals import hooks_enabled as _hooks_on
 from ._torch_internals import pop_hooks as _pop_hooks
 from ._torch_internals import push_hooks as _push_hooks
 from ._torch_internals import top_hooks as _top_hooks
+from ._torch_internals import version as version_of
 
 __all__ = ["ForwardHook", "NeedsGraph", "keep_nothing", "hooks_aside", "random_in_vmap", "connect_side_outputs", "check_unsure",
-           "check_lazy_outputs", "distinct_inputs"]
+           "check_lazy_outputs", "distinct_inputs", "out_meta", "saved_inputs", "checked_outputs",
+           "replace_at", "undo_forward", "plan_rerun", "deep_enough"]
 
 
 
@@ -209,3 +214,104 @@ def distinct_inputs(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], li
             distinct.append(t)
         expand.append(k)
     return distinct, expand
+
+
+def out_meta(t: torch.Tensor) -> tuple:
+    """(shape, dtype, device) of an output."""
+    return (tuple(t.shape), t.dtype, t.device)
+
+
+def saved_inputs(ctx, spec):
+    """The Function's saved inputs in backward (checked against in-place changes since the
+    forward; offloaded ones fetched)."""
+    spec.reach.check_versions(spec.name)
+    for t, v in spec.outside:
+        if version_of(t) != v:
+            raise mutated_outside(spec.name, t, v, version_of(t))
+    try:
+        # A vjp_fn called after its level exited hands us dead wrappers; a new
+        # level created inside this backward may reuse their level number.
+        saved = tuple(unwrap_if_dead(t) if t is not None else None for t in ctx.saved_tensors)
+        return saved if spec.offload is None else spec.offload.restore(saved)
+    except RuntimeError as e:
+        if "inplace" in str(e) or "version" in str(e):
+            raise MutatedSavedTensorError(
+                f"An input of remat({spec.name}) (an argument or a tensor it closes over) was "
+                "modified in place after the forward, so it can no longer be recomputed. Fix: "
+                "clone the tensor before modifying it (x = x.clone()), or apply the in-place "
+                f"update after the backward pass.\n(autograd said: {e})"
+            ) from None
+        raise
+
+
+def checked_outputs(spec, outs):
+    """A re-run's outputs, checked against the forward's (shape, dtype, device)."""
+    meta = spec.out_meta
+    if len(outs) != len(meta) or any(out_meta(o) != m for o, m in zip(outs, meta)):
+        got = ", ".join(describe(o, device=True) for o in outs)
+        want = ", ".join(describe_meta(*m) for m in meta)
+        raise RecomputeMismatchError(
+            f"Recomputing remat({spec.name}) returned tensors ({got}) but the forward returned "
+            f"({want}). The function must be deterministic in its tensor structure: make shapes "
+            "and control flow depend only on its arguments (pass Python values through "
+            "static_argnums/static_argnames), not on global state."
+        )
+    return outs
+
+
+def replace_at(tensors, wrt, diff) -> list:
+    """``tensors`` with the positions ``wrt`` replaced by ``diff``."""
+    full = list(tensors)
+    for i, t in zip(wrt, diff):
+        full[i] = t
+    return full
+
+
+def undo_forward(spec, snap) -> None:
+    """Before the forward runs again: the generators (``snap``) and the buffers it wrote as
+    they were (a retry must not update a BatchNorm's statistics twice)."""
+    if snap is not None:
+        snap.restore_now()
+    if spec.tape is not None:
+        spec.tape.undo_writes()
+
+
+def plan_rerun(spec, roots, inputs) -> None:
+    """JAX's rule on the recorded forward: keep the saveable values backward or the
+    recomputation of what it needs reads; compute only those ops (see Tape.plan).  A
+    region whose backward may replay its recorded forward (``spec.out_values``, see
+    remat_fn._replay_live) keeps what that replay reads too."""
+    tape, rec = spec.tape, spec.rec
+    nodes = tape.nodes
+    run, used_kept, used_outside = tape.plan_kept(roots, rec)
+    replay = spec.out_values is not None
+    if replay:
+        used_outside = used_outside | tape.plan([*roots, *(v for v in spec.out_values if isinstance(v, Value))],
+                                                lambda v: False)[2]
+    tape.release(used_outside)
+    # The recomputation re-runs the function, which reads the live tensors: the ones
+    # the needed ops read must still be what the forward read.  The region's inputs
+    # are saved by the Function (version-checked there, or offloaded): not held here.
+    mine = {p for t in inputs if (p := storage_ptr(t))}
+    spec.outside = [(v.t, v.version) for v in used_outside
+                    if v.snap is None and v.t is not None and v.ptr not in mine]
+    if not replay:  # (the replay reads the tensors the forward read, and knows inputs by them)
+        for n in nodes:
+            for v in n.reads:
+                if v.node < 0 and v.snap is None:
+                    v.t = None
+    spec.plan = set(run)
+
+
+# Python frames one region nested in another's forward adds under torch.func (the
+# autograd.Function machinery of torch's functorch, about 35, and the region's own)
+_FRAMES_PER_REGION = 64
+
+
+def deep_enough(depth: int) -> None:
+    """Regions nested ``depth`` deep: raise Python's recursion limit to what their calls
+    need, if it is lower (plain code nests 30 functions in a few frames each; 30 nested
+    regions under ``grad`` pass the default limit of 1000).  It is never lowered."""
+    need = 1000 + _FRAMES_PER_REGION * (depth + 1)
+    if sys.getrecursionlimit() < need:
+        sys.setrecursionlimit(need)

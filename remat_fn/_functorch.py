@@ -19,7 +19,7 @@ __all__ = [
     "unwrap_all",
     "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead",
     "forward_mode_active", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
-    "requires_grad_anywhere",
+    "requires_grad_anywhere", "is_vmap_kind",
 ]
 
 C = functorch  # the C++ functorch bindings (checked in remat_fn._torch_internals)
@@ -115,6 +115,10 @@ def live_levels() -> dict[int, object]:
 
 def is_grad_kind(kind) -> bool:
     return kind == _GRAD
+
+
+def is_vmap_kind(kind) -> bool:
+    return kind == C.TransformType.Vmap
 
 
 def forward_mode_active() -> bool:

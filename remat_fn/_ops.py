@@ -15,6 +15,7 @@ dispatch modes the user entered around the forward, as the forward's ops ran.  S
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import optree
@@ -28,7 +29,7 @@ __all__ = [
     "op_info", "storage_key", "simple_args", "generator_of", "default_states", "devices_of", "held_copy",
     "no_autocast", "ALIASING", "SEQ", "draw", "run_recorded", "user_modes", "reenter", "written_tensors", "arg_shapes",
     "arg_meta", "has_storage", "PLAIN", "METADATA_ONLY", "single_output", "placeholder", "private_copies", "DECOMPOSED",
-    "copy_before_write", "DETACH", "PrivateWrites",
+    "copy_before_write", "DETACH", "PrivateWrites", "CALL_GRAD", "call_grad_mode", "BOOKKEEPING", "bookkeeping",
 ]
 
 _NULL = contextlib.nullcontext()
@@ -389,3 +390,39 @@ class PrivateWrites(TorchDispatchMode):
         else:
             args, kwargs = optree.tree_map(self._private, (args, kwargs), none_is_leaf=True)
         return func(*args, **kwargs)
+
+
+class _CallGrad(threading.local):
+    value: bool | None = None
+
+
+# The grad mode of the torch call the function is making (set by the torch.func path's
+# CaptureMode, above every functorch layer): below them, functorch shows its own level's
+# mode instead (off inside the region's Function), where the function's ``no_grad`` and a
+# custom autograd.Function's forward cannot be told from the rest.
+CALL_GRAD = _CallGrad()
+
+
+def call_grad_mode() -> bool:
+    """The grad mode the op being dispatched was called under (see CALL_GRAD)."""
+    v = CALL_GRAD.value
+    return torch.is_grad_enabled() if v is None else v
+
+
+class _Bookkeeping(threading.local):
+    depth = 0
+
+
+# > 0 while a tape makes its own copies inside a dispatch handler (a storage's contents
+# before a write, a random op's held outputs): an enclosing region's recording lets them
+# through (they are no op of its function), the memory meters still see them
+BOOKKEEPING = _Bookkeeping()
+
+
+@contextlib.contextmanager
+def bookkeeping():
+    BOOKKEEPING.depth += 1
+    try:
+        yield
+    finally:
+        BOOKKEEPING.depth -= 1

@@ -544,16 +544,21 @@ def _input_tensors(args: tuple, kwargs: dict) -> tuple:
     return leaves, [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
-def finish_tape(frame: Frame, tensors, out, outer) -> None:
+def finish_tape(frame: Frame, tensors, out, outer, full=None) -> None:
     """After the forward: plan the replay from what autograd saved (JAX's rule: keep the
     saveable values that backward or the replay reads, recompute the rest) and
-    let go of everything else."""
+    let go of everything else.  ``full``: Values of the region's outputs: also keep what a
+    replay computing them from the inputs needs (see remat_fn._replay_live)."""
     tape, rec = frame.tape, frame.rec
     settle_writes(frame, tape)
     # (a saved tensor whose graph node is gone, a dead branch's, needs nothing)
     handles = frame.handles
     roots = [*(v for i, v in frame.values.items() if handles[i]() is not None), *frame.deps]
     run, used_kept, used_outside = tape.plan_kept(roots, rec)
+    every = None
+    if full is not None:
+        every = tape.plan([*roots, *full], lambda v: False)
+        used_outside = used_outside | every[2]
     frame.run = run
     frame.kept = {id(v) for v in used_kept}
     offl = frame.offload_ids = unaliased(frame.offload_ids, tensors, out)
@@ -570,7 +575,7 @@ def finish_tape(frame: Frame, tensors, out, outer) -> None:
     if rec is not None:
         _finish_record(rec, tensors, offl, out, outer, tape, roots)
     tape.release(used_outside)
-    tape.keep_only(run, used_kept)
+    tape.keep_only(run, used_kept, every and every[:2])
     frame.fun = frame.args = frame.kwargs = None
 
 

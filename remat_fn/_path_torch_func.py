@@ -9,11 +9,14 @@ so when a functorch transform is active the region runs inside
   tensor outputs; the Function saves only the inputs (and captured tensors).
 * ``backward`` differentiates that graph, its saved tensors replayed from the
   tape (the function does not run again), where nothing outside
-  differentiates the backward; otherwise (``grad`` of ``grad``, ``hessian``,
-  ``vmap``, a region nested in another's forward, ``debug=True``, offloaded
-  inputs) it runs the region again with ``torch.func.vjp``, computing only the
-  ops the tape's plan needs.  ``jvp`` recomputes with ``torch.func.jvp``.  Both
-  compose with every functorch level (``generate_vmap_rule`` covers ``vmap``).
+  differentiates the backward.  Where something does (``grad`` of ``grad``,
+  ``hessian``) and under forward mode (``jvp``), it differentiates the tape's
+  replay from the inputs to the outputs through every active transform
+  (:mod:`remat_fn._replay_live`).  It runs the region again with
+  ``torch.func.vjp``, computing only the ops the tape's plan needs, where no
+  replay can stand in (``vmap`` around the forward, a region with regions
+  nested in it, a custom ``autograd.Function`` inside, ``debug=True``,
+  offloaded inputs: docs/design.md).  ``generate_vmap_rule`` covers ``vmap``.
 * Tensors the function closes over (found by :mod:`remat_fn._closures`,
   substituted by :mod:`remat_fn._captures`) are extra inputs, so their
   gradients are exact.
@@ -41,25 +44,43 @@ from ._budget import Measuring
 from ._captures import CaptureMode, MissedCapture, note_region_inputs, note_region_outputs
 from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
-from ._describe import describe, describe_meta
-from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_outside
-from ._func_graph import KeepHandles, Unpack, alias_output, can_drop_graph, from_graph, note_storage, release_outputs, saved_storages
+from ._describe import describe
+from ._errors import RecomputeMismatchError, RematError
+from ._func_graph import (
+    KeepHandles,
+    Unpack,
+    alias_output,
+    can_drop_graph,
+    foreign_functions,
+    from_graph,
+    note_storage,
+    release_outputs,
+    saved_storages,
+)
 from ._func_outputs import alias_map, rebuild
 from ._func_semantics import (
     ForwardHook,
     NeedsGraph,
     check_lazy_outputs,
     check_unsure,
+    checked_outputs,
     connect_side_outputs,
+    deep_enough,
     distinct_inputs,
     hooks_aside,
     keep_nothing,
+    out_meta,
+    plan_rerun,
     random_in_vmap,
+    replace_at,
+    saved_inputs,
+    undo_forward,
 )
 from ._functorch import (
     any_batched,
     carries_grad,
     forward_mode_active,
+    is_vmap_kind,
     live_levels,
     needs_grad,
     requires_grad_anywhere,
@@ -72,11 +93,11 @@ from ._ops import PrivateWrites, private_copies
 from ._path_hooks import Frame, finish_tape
 from ._profile import active, storage_bytes
 from ._record import Diverged, Record, saving
-from ._region import RegionCall
+from ._region import RegionCall, region_depth
+from ._replay_live import CannotReplay, output_value, replay_outputs
 from ._rng_state import RNGSnapshot
-from ._tape import Tape
+from ._tape import Tape, Value
 from ._torch_internals import top_hooks, use_count
-from ._torch_internals import version as version_of
 
 __all__ = ["run_torch_func"]
 
@@ -94,7 +115,7 @@ class _RegionState:
                  "fwd_hits", "rec", "needs", "trace", "views", "autocast", "produced", "prof",
                  "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
-                 "levels", "aliases")
+                 "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "replay", "parent")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -144,6 +165,16 @@ class _RegionState:
         # (id of the caller's object, index) of the inputs the function also closes over (an
         # argument that a closure reads too): substituted like captured tensors
         self.aliases: list[tuple[int, int]] = []
+        # the forward level's graph (its outputs' nodes, until checked), the ids of the plain
+        # tensors below the Function's inputs, and whether the graph holds a custom
+        # autograd.Function (its forward's ops are not what autograd differentiates)
+        self.roots: list = []
+        self.bases: list[int] = []
+        self.foreign: bool | None = None
+        self.out_values: list | None = None  # the outputs as the tape knows them (see _replay_live)
+        self.vmapped = False  # a vmap is active at the call
+        self.replay = False  # a nested region: its backward replays the recorded forward
+        self.parent = False  # regions are nested in this one
 
     def call(self, tensors, known: set[int] | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
@@ -167,12 +198,14 @@ class _RegionState:
         mode = CaptureMode(subst, known, self.trace, self.name, None if recompute else self.produced,
                            inputs=() if recompute else tensors[:n],
                            grab=self.escapes if recompute else None)
+        mode.levels = self.levels
         with mode:
             outs, rebuild = self.run(args)
             # A captured tensor returned as is never went through an op.
             outs = tuple(mode._fix(o) for o in outs)
         if not recompute:
             self.fwd_hits = mode.hits
+            self.parent = mode.regions > 0
             self.escaped = mode.escaped(outs)
             return outs, rebuild
         self.trace.finish(self.name)
@@ -206,10 +239,6 @@ class _RegionState:
 
 def _is_diff(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
-
-
-def _meta(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), t.dtype, t.device)
 
 
 class _RematFunction(torch.autograd.Function):
@@ -253,13 +282,16 @@ class _RematFunction(torch.autograd.Function):
             def f(*diff):
                 known.update(id(t) for t in diff)
                 with _NULL if keep else keep_nothing(spec.name, note, hooks):
-                    o, rb = spec.call(_replace(tensors, wrt, diff), known)
+                    o, rb = spec.call(replace_at(tensors, wrt, diff), known)
                 # side outputs: candidates now (a tensor the graph saved is alive
                 # too), confirmed once the level's graph is gone (below)
                 pos = [p for p, _ in spec.escaped]
                 refs = [weakref.ref(t) for _, t in spec.escaped]
                 spec.escaped = []
                 o = o + tuple(r() for r in refs)
+                # (see remat_fn._replay_live; under a vmap the tape may hold batched draws)
+                if (frame is not None or spec.replay) and not (spec.vmapped and any(n.rng is not None for n in tape.nodes)):
+                    spec.out_values = [output_value(tape, t) for t in o]
                 mask = [_is_diff(t) and carries_grad(t) for t in o]
                 box.append((rb, mask, saved_storages(o) if keep and measure else noted,
                             pos, refs))
@@ -275,7 +307,11 @@ class _RematFunction(torch.autograd.Function):
                 frame.in_forward = False
                 frame.recomputed.clear()
                 spec.graph = vjp_fn  # (its saved tensors: handles the tape replays)
-                spec.dmeta = [_meta(t) for t in douts]
+            if spec.out_values is not None:  # (see _replay_fn)
+                spec.roots = [t.grad_fn for t in douts if t.grad_fn is not None]
+                spec.bases = [id(unwrap_all(t)) for t in tensors]
+            if frame is not None:
+                spec.dmeta = [out_meta(t) for t in douts]
             del vjp_fn  # without a frame, the level's graph: what it saved dies here
             spec.written = tape.pre_write
             tape.written_storages = []  # (only a retry of this forward puts them back)
@@ -306,6 +342,8 @@ class _RematFunction(torch.autograd.Function):
                 at = [sum(mask[:i]) if d else None for i, d in enumerate(mask)]
                 spec.dpos = at[:n] + [at[n + k] for k in side]
             outs = outs[:n] + tuple(outs[n + k] for k in side)
+            if spec.out_values is not None:
+                spec.out_values = spec.out_values[:n] + [spec.out_values[n + k] for k in side]
             mask = mask[:n] + [mask[n + k] for k in side]
             spec.plain_bytes = sum(saved.values())
             rec = spec.rec
@@ -320,9 +358,9 @@ class _RematFunction(torch.autograd.Function):
                 spec.wrt = wrt
                 if spec.offload is not None:
                     spec.offload.hints = rec.hint_outputs(outs)
-                finish_tape(frame, tensors, outs, None)
+                finish_tape(frame, tensors, outs, None, full=[v for v in spec.out_values or () if type(v) is Value])
             else:
-                _plan(spec, roots, tensors)
+                plan_rerun(spec, roots, tensors)
             if isinstance(rec.policy, Measuring) and frame is None:  # memory_budget's first call
                 rec.policy.finish(saved, spec.tape, roots)
         else:
@@ -345,7 +383,7 @@ class _RematFunction(torch.autograd.Function):
         inputs = {id(unwrap_all(t)) for t in tensors}
         outs = tuple(o.view_as(o) if isinstance(o, torch.Tensor) and id(unwrap_all(o)) in inputs else o for o in outs)
         spec.out_box.append(rebuild)
-        spec.out_meta = [_meta(o) for o in outs]
+        spec.out_meta = [out_meta(o) for o in outs]
         return outs
 
     @staticmethod
@@ -370,7 +408,7 @@ class _RematFunction(torch.autograd.Function):
         spec: _RegionState = ctx.spec
         if all(g is None for g in grads):  # no gradient flows in: nothing to recompute
             return (None,) * len(ctx.needs_input_grad)
-        tensors = _saved(ctx, spec)
+        tensors = saved_inputs(ctx, spec)
         wrt = [i for i, t in enumerate(tensors) if ctx.needs_input_grad[i + 1] and _is_diff(t)]
         result: list[Any] = [None] * (len(tensors) + 1)
         if not wrt:
@@ -386,6 +424,22 @@ class _RematFunction(torch.autograd.Function):
             for g, m, d in zip(grads, spec.out_meta, out_diff)
             if d
         )
+        start = time.perf_counter()
+        # The recorded forward, replayed: where an outer transform differentiates this backward,
+        # and for a nested region with no region nested in it.  (One with some runs again: its
+        # own nested regions then save their inputs only, where a vjp of the replay, which
+        # holds their ops, would keep all their activations at once.)
+        outer = (not detach and torch.is_grad_enabled()) or forward_mode_active()
+        if (outer or not spec.parent) and _replayable(spec):
+            try:
+                gin = torch.func.vjp(_replay_fn(spec, tensors, wrt, out_diff), *[tensors[i] for i in wrt])[1](cot)
+                if spec.prof is not None:
+                    spec.prof.record_recompute(spec.name, time.perf_counter() - start)
+                for i, g in zip(wrt, gin):
+                    result[i + 1] = g
+                return tuple(result)
+            except CannotReplay:
+                spec.out_values = None  # (the function runs again, now and from now on)
         f = _recompute_fn(spec, tensors, wrt, out_diff)
         # Ops whose results backward does not need are skipped (see Tape.plan) when
         # nothing outside differentiates this backward; otherwise all run.
@@ -397,7 +451,6 @@ class _RematFunction(torch.autograd.Function):
                 return torch.func.vjp(f, *[tensors[i] for i in wrt])[1]
 
         with torch.no_grad() if detach else contextlib.nullcontext(), spec.autocast:
-            start = time.perf_counter()
             try:
                 vjp_fn = rerun(spec.tape, plan)
             except Diverged:  # (after placeholders: again, computing everything)
@@ -412,46 +465,25 @@ class _RematFunction(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, _spec_tangent, *tangents):
         spec: _RegionState = ctx.spec
-        tensors = _saved(ctx, spec)
+        tensors = saved_inputs(ctx, spec)
         wrt = [i for i, (t, tt) in enumerate(zip(tensors, tangents)) if tt is not None and _is_diff(t)]
         out_diff = ctx.out_diff
         if not any(out_diff):  # no output depends on the inputs differentiably
             return (None,) * len(out_diff)
 
-        f = _recompute_fn(spec, tensors, wrt, out_diff)
-        with spec.rng or _NULL, spec.autocast:  # forward mode: recompute everything
-            _, touts = torch.func.jvp(f, tuple(tensors[i] for i in wrt), tuple(tangents[i] for i in wrt))
+        primals, tans = tuple(tensors[i] for i in wrt), tuple(tangents[i] for i in wrt)
+        touts = None
+        if _replayable(spec):  # tangents pushed through the recorded forward
+            try:
+                _, touts = torch.func.jvp(_replay_fn(spec, tensors, wrt, out_diff), primals, tans)
+            except CannotReplay:
+                spec.out_values = None
+        if touts is None:
+            f = _recompute_fn(spec, tensors, wrt, out_diff)
+            with spec.rng or _NULL, spec.autocast:  # forward mode: recompute everything
+                _, touts = torch.func.jvp(f, primals, tans)
         it = iter(touts)
         return tuple(next(it) if d else None for d in out_diff)
-
-
-def _plan(spec: _RegionState, roots, inputs) -> None:
-    """JAX's rule on the recorded forward: keep the saveable values backward or the
-    recomputation of what it needs reads; compute only those ops (see Tape.plan)."""
-    tape, rec = spec.tape, spec.rec
-    nodes = tape.nodes
-    run, used_kept, used_outside = tape.plan_kept(roots, rec)
-    tape.release(used_outside)
-    # The recomputation re-runs the function, which reads the live tensors: the ones
-    # the needed ops read must still be what the forward read.  The region's inputs
-    # are saved by the Function (version-checked there, or offloaded): not held here.
-    mine = {p for t in inputs if (p := storage_ptr(t))}
-    spec.outside = [(v.t, v.version) for v in used_outside
-                    if v.snap is None and v.t is not None and v.ptr not in mine]
-    for n in nodes:
-        for v in n.reads:
-            if v.node < 0 and v.snap is None:
-                v.t = None
-    spec.plan = set(run)
-
-
-def _undo(spec: _RegionState, snap: RNGSnapshot | None) -> None:
-    """Before the forward runs again: the generators and the buffers it wrote as they
-    were (a retry must not update a BatchNorm's statistics twice)."""
-    if snap is not None:
-        snap.restore_now()
-    if spec.tape is not None:
-        spec.tape.undo_writes()
 
 
 # Function.apply binds its arguments with inspect.signature(forward) on every
@@ -459,57 +491,44 @@ def _undo(spec: _RegionState, snap: RNGSnapshot | None) -> None:
 _RematFunction.forward.__signature__ = inspect.signature(_RematFunction.forward)  # type: ignore[attr-defined]
 
 
-def _replace(tensors, wrt, diff):
-    """``tensors`` with the positions ``wrt`` replaced by ``diff``."""
-    full = list(tensors)
-    for i, t in zip(wrt, diff):
-        full[i] = t
-    return full
+def _replayable(spec: _RegionState) -> bool:
+    """The recorded forward can stand in for the function (see remat_fn._replay_live)."""
+    if spec.out_values is None:
+        return False
+    if spec.foreign is None:
+        spec.foreign = foreign_functions(spec.roots, _RematFunction._backward_cls)
+        spec.roots = []
+    return not spec.foreign
+
+
+def _replay_fn(spec: _RegionState, tensors, wrt, out_diff):
+    """The region's recorded forward as a function of its differentiated inputs, returning
+    its differentiable outputs (the function's Python does not run)."""
+
+    # Two inputs over one plain tensor (a parameter given to functional_call and the module's
+    # own, closed over): the tape saw that tensor; the differentiated one stands for it
+    bases = spec.bases
+    order = [k for k in range(len(bases)) if k not in set(wrt)] + list(wrt)
+    if len({bases[k] for k in wrt}) < len(wrt):
+        raise CannotReplay("two differentiated inputs share their plain tensor")
+
+    def f(*diff_inputs):
+        full = replace_at(tensors, wrt, diff_inputs)
+        subst = {bases[k]: full[k] for k in order if full[k] is not None}
+        outs = replay_outputs(spec.tape, spec.out_values, subst, spec.name, spec.rec)
+        return tuple(o for o, d in zip(outs, out_diff) if d)
+
+    return f
 
 
 def _recompute_fn(spec: _RegionState, tensors, wrt, out_diff):
     """The region as a function of its differentiated inputs, returning its differentiable outputs."""
 
     def f(*diff_inputs):
-        outs = _checked(spec, spec.call(_replace(tensors, wrt, diff_inputs), None)[0])
+        outs = checked_outputs(spec, spec.call(replace_at(tensors, wrt, diff_inputs), None)[0])
         return tuple(o for o, d in zip(outs, out_diff) if d)
 
     return f
-
-
-def _saved(ctx, spec: _RegionState):
-    spec.reach.check_versions(spec.name)
-    for t, v in spec.outside:
-        if version_of(t) != v:
-            raise mutated_outside(spec.name, t, v, version_of(t))
-    try:
-        # A vjp_fn called after its level exited hands us dead wrappers; a new
-        # level created inside this backward may reuse their level number.
-        saved = tuple(unwrap_if_dead(t) if t is not None else None for t in ctx.saved_tensors)
-        return saved if spec.offload is None else spec.offload.restore(saved)
-    except RuntimeError as e:
-        if "inplace" in str(e) or "version" in str(e):
-            raise MutatedSavedTensorError(
-                f"An input of remat({spec.name}) (an argument or a tensor it closes over) was "
-                "modified in place after the forward, so it can no longer be recomputed. Fix: "
-                "clone the tensor before modifying it (x = x.clone()), or apply the in-place "
-                f"update after the backward pass.\n(autograd said: {e})"
-            ) from None
-        raise
-
-
-def _checked(spec: _RegionState, outs):
-    meta = spec.out_meta
-    if len(outs) != len(meta) or any(_meta(o) != m for o, m in zip(outs, meta)):
-        got = ", ".join(describe(o, device=True) for o in outs)
-        want = ", ".join(describe_meta(*m) for m in meta)
-        raise RecomputeMismatchError(
-            f"Recomputing remat({spec.name}) returned tensors ({got}) but the forward returned "
-            f"({want}). The function must be deterministic in its tensor structure: make shapes "
-            "and control flow depend only on its arguments (pass Python values through "
-            "static_argnums/static_argnames), not on global state."
-        )
-    return outs
 
 
 def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
@@ -517,6 +536,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     wherever saved-tensor hooks cannot be used); returns its output pytree.
     ``calls_torch_func``: the function is known to call a ``torch.func``
     transform itself (see :func:`keep_nothing`)."""
+    deep_enough(region_depth())
     inputs, expand = distinct_inputs(call.inputs)
     name, debug = call.name, call.debug
     reach = reachable_tensors(call.reach_roots())
@@ -526,7 +546,9 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         policy.note_inputs(storage_ptr(t) for t in inputs if t.grad_fn is not None)
     devices = call.rng_devices(inputs)
     snap = RNGSnapshot(devices) if call.opts.preserve_rng_state else None
-    produced = None  # storages made inside the region (recorded on retries only)
+    # storages made inside the region (recorded on retries, and from the start where the
+    # function calls torch.func, whose autograd makes tensors no torch function sees)
+    produced = set() if calls_torch_func else None
     prof = active()
     start = time.perf_counter() if prof is not None else 0.0
     grad_mode = torch.is_grad_enabled()
@@ -547,6 +569,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         spec.keep_graph = keep_graph
         spec.levels = levels
         spec.aliases = [(id(t), k) for k, t in enumerate(inputs) if id(t) in reach.tensors]
+        spec.vmapped = any(is_vmap_kind(kind) for kind in levels.values())
         spec.rec = Record(policy)  # (without a policy: the op sequence, for the plan)
         if policy is not None:
             spec.offload = FuncInputs(input_offloads(policy, inputs))
@@ -556,9 +579,11 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         # context wraps a run of the function: backward runs it again, as on the hooks path)
         # (nested in another region's forward: measured to keep more than the re-run under
         # deep nesting, see docs/design.md; such a region runs again in backward)
-        if keep_graph or call.strict or (spec.offload is not None and spec.offload.rerun) \
-                or nested or any(any_batched(t) for t in (*inputs, *captured)):
-            spec.tape = Tape(func_path=True)  # backward re-runs the function
+        rerun = keep_graph or call.strict or (spec.offload is not None and spec.offload.rerun) \
+            or any(any_batched(t) for t in (*inputs, *captured))
+        if rerun or nested:  # backward re-runs the function (nested: replays its recorded forward)
+            spec.tape = Tape(func_path=True)
+            spec.replay = not rerun
         else:  # backward differentiates the forward's graph, its saved tensors replayed
             frame = spec.frame = Frame(None, None, None, name, False)
             frame.rec = spec.rec
@@ -572,11 +597,11 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         try:
             outs = _RematFunction.apply(spec, *inputs, *captured)
         except NeedsGraph:
-            _undo(spec, snap)
+            undo_forward(spec, snap)
             keep_graph = True
             continue
         except MissedCapture as e:
-            _undo(spec, snap)
+            undo_forward(spec, snap)
             if produced is None:
                 # The tensor may have been made inside the region where no torch
                 # function sees it (by autograd in a torch.func.grad the function

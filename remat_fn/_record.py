@@ -27,7 +27,7 @@ from ._errors import MutatedSavedTensorError, RecomputeMismatchError
 from ._functorch import forward_mode_active, storage_ptr
 from ._functorch import unwrap_all as _base
 from ._offload import Offloader, Stored, hint, meta_args, tag_name
-from ._ops import DETACH, METADATA_ONLY, arg_meta, arg_shapes, draw, placeholder, run_recorded, single_output, user_modes
+from ._ops import BOOKKEEPING, DETACH, METADATA_ONLY, arg_meta, arg_shapes, draw, placeholder, run_recorded, single_output, user_modes
 from ._residuals import residual_sink
 from ._tape import redirect_writes
 from ._torch_internals import DisableTorchFunction, TorchDispatchMode, dispatch_stack_len, schema
@@ -499,6 +499,8 @@ class SaveMode(TorchDispatchMode):
             return self._dispatch(func, args, kwargs or {})
 
     def _dispatch(self, func, args, kwargs):
+        if BOOKKEEPING.depth:  # (a nested region's tape copying: no op of this region)
+            return func(*args, **kwargs)
         rec = self.rec
         tape = self.tape
         if rec is None and not self.recompute:  # (no policy: the tape only, no op keys needed)

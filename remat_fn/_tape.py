@@ -46,6 +46,8 @@ from ._ops import (
     DECOMPOSED,
     DETACH,
     SEQ,
+    bookkeeping,
+    call_grad_mode,
     copy_before_write,
     default_states,
     devices_of,
@@ -61,27 +63,12 @@ from ._ops import (
     storage_key,
     written_tensors,
 )
+from ._storage_copy import StorageCopy, clone_storage, from_copy
 from ._torch_internals import version as version_of
 
-__all__ = ["Tape", "Value", "Node", "StorageCopy", "redirect_writes"]
+__all__ = ["Tape", "Value", "Node", "redirect_writes"]
 
 _NULL = contextlib.nullcontext()
-class StorageCopy:
-    """The contents of an outside storage before the region first wrote into it.  Every
-    value read from that storage is replayed as a view of one fresh copy of it per
-    replay, so a write through one alias reaches every other (``base[0].copy_(..)``
-    read back through a view of ``base`` made outside)."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: torch.Tensor):
-        self.data = data  # the bytes, as a uint8 tensor (the memory meters follow tensors)
-
-    @property
-    def storage(self):
-        return self.data.untyped_storage()
-
-
 class Value:
     """A tensor value of the region: output ``idx`` of node ``node`` (``node >= 0``), or
     an outside tensor ``t`` at ``version`` (``node == -1``)."""
@@ -108,7 +95,7 @@ class Node:
     """One recorded op."""
 
     __slots__ = ("func", "flat", "spec", "kw", "reads", "outs", "writes", "rng", "key", "meta", "always", "shapes",
-                 "held", "probe")
+                 "held", "probe", "grad")
 
     def __init__(self, func, flat, spec, kw, reads, rng, key):
         self.func = func
@@ -130,6 +117,9 @@ class Node:
         # (the replay never touches a generator other threads draw from): see Tape.after
         self.held: dict | None = None  # output index (or -1-n: written argument n) -> tensor
         self.probe = None  # generator states before an op that may draw (a custom op)
+        # grad mode when it ran (off under the function's no_grad, and inside a custom
+        # autograd.Function's forward): a differentiated replay runs it so (see _replay_live)
+        self.grad = call_grad_mode()
 
 
 class Tape:
@@ -282,11 +272,15 @@ class Tape:
         """The region writes (through ``t``) into an outside storage: the values read from it
         so far replay from a copy of the storage taken before its first write, one copy per
         replay shared by all of them (they alias there as they did here)."""
+        with bookkeeping():
+            self._snapshot_now(ptr, t)
+
+    def _snapshot_now(self, ptr: int, t: torch.Tensor) -> None:
         if ptr not in self.storage_copies:
             copy = None
             if ptr > 0 and has_storage(t):
                 st = t.untyped_storage()
-                copy = StorageCopy(_clone_storage(st))
+                copy = StorageCopy(clone_storage(st))
                 if self.copies:
                     self.pre_write[ptr] = copy.storage
                     self.written_storages.append((st, copy.storage))
@@ -308,9 +302,10 @@ class Tape:
     def _hold(self, node: Node, leaves, args, kwargs) -> None:
         """Keep a random op's outputs (and the arguments it wrote) instead of replaying it;
         a later write into one of them reaches a copy taken before it (see before)."""
-        held = {i: held_copy(t) for i, t in enumerate(leaves)}
-        for n, t in enumerate(written_tensors(node.func, args, kwargs)):
-            held[-1 - n] = t.detach().clone()
+        with bookkeeping():
+            held = {i: held_copy(t) for i, t in enumerate(leaves)}
+            for n, t in enumerate(written_tensors(node.func, args, kwargs)):
+                held[-1 - n] = t.detach().clone()
         node.held = held
         for i, t in held.items():
             if isinstance(t, torch.Tensor) and i >= 0:
@@ -388,11 +383,11 @@ class Tape:
             # second backward would read the first one's writes (every op, not only the
             # planned ones: a re-run of the function under grad of grad runs them all)
             kept = {id(v) for v in used_kept}
-            written = [w for n in nodes if n.writes for w in self._written_values(n)]
+            written = [w for n in nodes if n.writes for w in self.written_values(n)]
             rec.overwritten = {nodes[b.node].key for b in self._bases(written) if id(b) in kept}
         return run, used_kept, used_outside
 
-    def _written_values(self, n: Node) -> list:
+    def written_values(self, n: Node) -> list:
         """The Values of the arguments node ``n`` writes (all its tensor arguments when
         they were recorded flattened)."""
         if n.spec is None:
@@ -414,7 +409,7 @@ class Tape:
             if n.func.is_view or n.func in ALIASING:
                 todo.extend(n.reads[:1])
             elif any(w is v for _, w in n.writes):
-                todo.extend(self._written_values(n))
+                todo.extend(self.written_values(n))
         return out
 
     def plan(self, roots, kept) -> tuple[list[int], set, set]:
@@ -469,17 +464,22 @@ class Tape:
                 v.snap = None
         self.stale = []
 
-    def keep_only(self, run, used_kept) -> None:
+    def keep_only(self, run, used_kept, full=None) -> None:
         """Forget the nodes the replay neither runs nor reads a kept output of (and the
-        outside tensors only they read)."""
+        outside tensors only they read).  ``full``: (nodes, kept values) of a replay computing
+        every value the policy keeps, remembered whole (see _replay_live)."""
         run = set(run)
         kept = {v.node for v in used_kept}
+        if full is not None:
+            run.update(full[0])
+            kept.update(v.node for v in full[1])
         nodes = self.nodes
         for k, n in enumerate(nodes):
             if k in run:
                 continue
             if k in kept:  # looked up by its key only: let go of its arguments
-                n.flat = n.reads = ()
+                if full is None:
+                    n.flat = n.reads = ()
             else:
                 nodes[k] = None
 
@@ -506,7 +506,7 @@ class Tape:
         if t is not None:
             return t
         if v.snap is not None:
-            t = _from_copy(v, env)  # the replay may write into it; a second backward replays again
+            t = from_copy(v, env)  # the replay may write into it; a second backward replays again
         elif v.store is not None:
             packed, unpack = v.store
             t = unpack(packed)
@@ -548,12 +548,15 @@ class Tape:
             torch.set_grad_enabled(False)
         try:
             with no_autocast(), reenter(self.modes):
-                return self._run_nodes(run, targets, get, env, writes)
+                return self.run_nodes(run, targets, get, env, writes, run_recorded)
         finally:
             if grad:
                 torch.set_grad_enabled(True)
 
-    def _run_nodes(self, run, targets, get, env, writes: bool) -> list:
+    def run_nodes(self, run, targets, get, env, writes: bool, runner) -> list:
+        """Run the nodes ``run`` (see replay): ``get(value)`` gives a value not made by them,
+        ``runner(node, args, kwargs)`` runs one, ``env`` holds the values as they are made
+        (each let go after its last reader), ``writes``: some of them write."""
         nodes = self.nodes
         # (a run of two ops or fewer frees nothing worth the bookkeeping)
         last: dict[int, int] | None = {} if len(run) > 2 else None  # id(value) -> the last node reading it
@@ -575,7 +578,7 @@ class Tape:
                 args, kwargs = optree.tree_unflatten(node.spec, flat)
             if node.writes and guard:
                 guard = copy_before_write(guard, k, written_tensors(node.func, args, kwargs), env, result)
-            out = run_recorded(node, args, kwargs)
+            out = runner(node, args, kwargs)
             outs = node.outs
             if type(out) in SEQ:
                 for v, t in zip(outs, out):
@@ -606,26 +609,6 @@ class Tape:
         return result
 
 
-def _clone_storage(st) -> torch.Tensor:
-    """A copy of the storage ``st`` as a uint8 tensor, made by a tensor op (dispatch modes,
-    the memory meters among them, see it; ``UntypedStorage.clone`` reaches none)."""
-    whole = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, 0, (st.nbytes(),), (1,))
-    return whole.clone()
-
-
-def _from_copy(v: Value, env: dict) -> torch.Tensor:
-    """A fresh tensor with ``v``'s value from its snapshot: for a StorageCopy, a view of one
-    copy of the storage per replay (``env``)."""
-    snap = v.snap
-    if type(snap) is not StorageCopy:
-        return snap.clone()
-    st = env.get(id(snap))
-    if st is None:
-        st = env[id(snap)] = _clone_storage(snap.storage).untyped_storage()
-    dtype, device, offset, size, stride = v.geom
-    return torch.empty(0, dtype=dtype, device=device).set_(st, offset, size, stride)
-
-
 def redirect_writes(node, args, kwargs):
     """``node``'s arguments with the outside tensors it writes replaced by copies of
     what the forward read (the torch.func re-run never writes a tensor it does not own)."""
@@ -634,5 +617,5 @@ def redirect_writes(node, args, kwargs):
     env: dict = {}
     for j, v in enumerate(node.flat):
         if type(v) is Value and v.node < 0 and v.snap is not None:
-            flat[j] = _from_copy(v, env)
+            flat[j] = from_copy(v, env)
     return (flat, kwargs) if spec is None else optree.tree_unflatten(spec, flat)

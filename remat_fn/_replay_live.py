@@ -1,0 +1,197 @@
+"""The recorded forward as a function of the region's inputs, under every transform.
+
+On the ``torch.func`` path backward differentiates the graph the region's forward
+built under a ``vjp`` level of its own, its saved tensors rebuilt from the tape (see
+:mod:`remat_fn._func_graph`), where nothing outside differentiates that backward.
+Where something does (``grad`` of ``grad``, ``jvp`` of ``grad``, meta-learning's outer
+loop, eager autograd around a ``torch.func`` call), :func:`replay_outputs` stands in
+for the function: it runs the recorded ops on the Function's inputs as backward holds
+them (``subst``: the forward's plain tensor -> that tensor), through every active
+transform, and returns the region's outputs.  Backward differentiates it with
+``torch.func.vjp`` (and the Function's ``jvp`` with ``torch.func.jvp``), so an outer
+``grad`` differentiates the replay, a ``jvp`` pushes tangents through it and a ``vmap``
+batches it, and the function's Python does not run again: its side effects happen once.
+(The forward level's own graph cannot serve there: autograd gives a tensor that a
+saved-tensor hook returns a new autograd identity, which drops the outer level's
+history when that level's wrapper is the outermost one.)
+
+Each op runs as the function called it: with the grad mode of the torch call that
+issued it (off under the function's ``no_grad``), its random numbers drawn from the
+recorded generator state.  Ops whose values do not depend on the inputs run below
+every transform, as the plain replay runs them: random ops among them (a dropout
+mask), which a ``vmap`` in ``'error'`` randomness mode would refuse.  A replay that
+cannot be exact raises :class:`CannotReplay` and the function runs again instead
+(see ``docs/design.md``): a random op whose result depends on the inputs
+(``native_dropout``, ``rrelu``), a random op whose outputs the tape holds and that
+depends on them, and a custom ``autograd.Function`` inside the region (its ``backward``,
+not its forward's ops, is what autograd differentiates; checked by the caller).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ._functorch import unwrap_all
+from ._ops import ALIASING, arg_meta, no_autocast, reenter, run_recorded
+from ._tape import Value
+from ._torch_internals import DisableFuncTorch, TorchDispatchMode
+
+__all__ = ["CannotReplay", "replay_outputs", "output_value", "INDEPENDENT"]
+
+_NULL = contextlib.nullcontext()
+
+
+class CannotReplay(Exception):
+    """Internal: this recorded forward cannot be replayed exactly under the active
+    transforms; backward runs the function again."""
+
+
+def _ops(*names):
+    out = []
+    for n in names:
+        packet, _, overload = n.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet, None), overload or "default", None)
+        if op is not None:
+            out.append(op)
+    return frozenset(out)
+
+
+# ops whose outputs' values do not depend on their tensor arguments' values (only on
+# their sizes, dtypes and devices)
+INDEPENDENT = _ops("empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+                   "randint_like", "randint_like.low_dtype", "new_empty", "new_zeros", "new_ones",
+                   "new_full", "new_empty_strided")
+
+
+def _plain(x):
+    return unwrap_all(x) if isinstance(x, torch.Tensor) else x
+
+
+def _through_transforms(tape, run, inputs: set) -> set:
+    """The nodes of ``run`` that run through the active transforms: those reading a value
+    that depends on the inputs (``inputs``: ids of their Values) or was made by such a
+    node, and those making a value such a node writes into (it must be a value of the
+    transforms too: ``h = zeros(..); h[1:].copy_(x)``)."""
+    nodes = tape.nodes
+    top: set[int] = set()
+    while True:
+        live = set(inputs)
+        for k in run:
+            n = nodes[k]
+            if n is None:
+                raise CannotReplay("a node was let go of")
+            if k in top or (n.func not in INDEPENDENT and any(id(r) in live for r in n.reads)):
+                top.add(k)
+                live.update(id(v) for v in n.outs if v is not None)
+                live.update(id(w) for _, w in n.writes)
+        grow = set()
+        for k in top:
+            n = nodes[k]
+            if n.writes:
+                todo = [w for w in tape.written_values(n) if id(w) not in live]
+                while todo:  # (the written value, and the values it is a view of)
+                    w = todo.pop()
+                    if w.node < 0 or w.node in top or w.node in grow:
+                        continue
+                    grow.add(w.node)
+                    m = nodes[w.node]
+                    if m is not None and (m.func.is_view or m.func in ALIASING):
+                        todo.extend(m.reads[:1])
+        if not grow:
+            break
+        top |= grow
+    for k in top:
+        if nodes[k].rng is not None:
+            raise CannotReplay(f"{nodes[k].func} draws random numbers into values that depend on the inputs")
+    return top
+
+
+def output_value(tape, t: torch.Tensor):
+    """What the tape knows ``t`` (an output of the region) as: its Value, or the plain
+    tensor itself where the region returned a tensor it did not make or read."""
+    b = unwrap_all(t)
+    e = tape.reg.get(id(b)) if tape.reg is not None else None
+    if e is not None:
+        v, ref = e
+        if (ref() if v.node >= 0 else ref) is b:
+            return v
+    return b
+
+
+class _Kept(TorchDispatchMode):
+    """Around one op of the replay that runs through the transforms and whose output the
+    policy kept: below them the op is not computed, its kept output is returned (what the
+    torch.func path's re-run did), so each transform records the op as it is, its
+    inputs and its output, and the policy saves the compute it promised."""
+
+    def __init__(self, node, rec):
+        super().__init__()
+        self.node, self.rec, self.done = node, rec, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.done and func is self.node.func:
+            self.done = True
+            meta = self.rec.entries[self.node.key].meta
+            if meta is None or meta == arg_meta(args):
+                return self.rec.replay(func, self.node.key, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None) -> list:
+    """The region's outputs (``outs``: see output_value) computed by replaying the tape on
+    the tensors ``subst`` gives for the forward's plain ones (``id`` -> tensor); ``rec``:
+    the policy's record, whose kept values stand in for their ops' results."""
+    roots = [v for v in outs if type(v) is Value]
+    run, held, outside = tape.plan(roots, lambda v: False)
+    nodes = tape.nodes
+    # (a value of a storage the region writes, a BatchNorm's running statistics, is read from
+    # a private copy, as the plain replay reads it: a constant, never the caller's tensor)
+    inputs = {id(v) for v in outside if v.snap is None and v.t is not None and id(v.t) in subst}
+    top = _through_transforms(tape, run, inputs)
+    live = inputs | {id(v) for k in top for v in (*nodes[k].outs, *(w for _, w in nodes[k].writes)) if v is not None}
+    for v in held:
+        n = nodes[v.node]
+        if n is None or any(id(r) in live for r in n.reads):
+            raise CannotReplay("a held random op depends on the inputs")
+
+    env: dict = {}
+    writes = any(nodes[k].writes for k in run)
+
+    def get(v):
+        t = env.get(id(v))
+        if t is not None:
+            return t
+        if v.node < 0:
+            t = subst.get(id(v.t)) if v.t is not None and v.snap is None else None
+            if t is None:  # (a constant: plain, as the forward read it)
+                with DisableFuncTorch():
+                    return tape.outside_value(v, name, env)
+        else:  # a held random op's output
+            t = nodes[v.node].held[v.idx]
+            t = t.clone() if writes else t
+        env[id(v)] = t
+        return t
+
+    top_ids = {id(nodes[k]) for k in top}
+
+    entries = rec.entries if rec is not None else None
+
+    def runner(node, args, kwargs):
+        kept = bool(entries) and node.key is not None and entries.get(node.key) is not None \
+            and not node.writes and node.rng is None
+        if id(node) in top_ids:
+            with torch.set_grad_enabled(node.grad), _Kept(node, rec) if kept else _NULL:
+                return run_recorded(node, args, kwargs)
+        with DisableFuncTorch(), torch.no_grad():
+            if node.func in INDEPENDENT:  # (its tensor argument may be an input: its sizes only)
+                args = [_plain(a) for a in args]
+            return rec.replay(node.func, node.key, args, kwargs) if kept else run_recorded(node, args, kwargs)
+
+    end = len(nodes)
+    with no_autocast(), reenter(tape.modes), rec.replaying() if entries else _NULL:
+        got = tape.run_nodes(run, [(v, end) for v in roots], get, env, writes, runner) if run else [get(v) for v in roots]
+    it = iter(got)
+    return [next(it) if type(v) is Value else subst.get(id(v), v) for v in outs]

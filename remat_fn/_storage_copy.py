@@ -1,0 +1,43 @@
+"""Copies of outside storages the region writes (see :mod:`remat_fn._tape`)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["StorageCopy", "clone_storage", "from_copy"]
+
+
+class StorageCopy:
+    """The contents of an outside storage before the region first wrote into it.  Every
+    value read from that storage is replayed as a view of one fresh copy of it per
+    replay, so a write through one alias reaches every other (``base[0].copy_(..)``
+    read back through a view of ``base`` made outside)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data  # the bytes, as a uint8 tensor (the memory meters follow tensors)
+
+    @property
+    def storage(self):
+        return self.data.untyped_storage()
+
+
+def clone_storage(st) -> torch.Tensor:
+    """A copy of the storage ``st`` as a uint8 tensor, made by a tensor op (dispatch modes,
+    the memory meters among them, see it; ``UntypedStorage.clone`` reaches none)."""
+    whole = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, 0, (st.nbytes(),), (1,))
+    return whole.clone()
+
+
+def from_copy(v, env: dict) -> torch.Tensor:
+    """A fresh tensor with ``v``'s value from its snapshot: for a StorageCopy, a view of one
+    copy of the storage per replay (``env``)."""
+    snap = v.snap
+    if type(snap) is not StorageCopy:
+        return snap.clone()
+    st = env.get(id(snap))
+    if st is None:
+        st = env[id(snap)] = clone_storage(snap.storage).untyped_storage()
+    dtype, device, offset, size, stride = v.geom
+    return torch.empty(0, dtype=dtype, device=device).set_(st, offset, size, stride)
