@@ -160,20 +160,14 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None) -> list:
     env: dict = {}
     writes = any(nodes[k].writes for k in run)
 
-    def get(v):
-        t = env.get(id(v))
-        if t is not None:
-            return t
-        if v.node < 0:
-            t = subst.get(id(v.t)) if v.t is not None and v.snap is None else None
-            if t is None:  # (a constant: plain, as the forward read it)
-                with DisableFuncTorch():
-                    return tape.outside_value(v, name, env)
-        else:  # a held random op's output
-            t = nodes[v.node].held[v.idx]
-            t = t.clone() if writes else t
-        env[id(v)] = t
+    def outside(v):
+        t = subst.get(id(v.t)) if v.t is not None and v.snap is None else None
+        if t is None:  # (a constant: plain, as the forward read it)
+            with DisableFuncTorch():
+                t = tape.outside_value(v, name, env)
         return t
+
+    get = tape.getter(env, writes, None, outside)
 
     top_ids = {id(nodes[k]) for k in top}
 

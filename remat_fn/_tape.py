@@ -525,24 +525,8 @@ class Tape:
         is let go after its last use, so the replay holds what backward needs and the
         values still to be read, no more."""
         env: dict[int, Any] = {}
-        nodes = self.nodes
-        writes = any(nodes[k].writes for k in run)
-
-        def get(v):
-            t = env.get(id(v))
-            if t is not None:
-                return t
-            if v.node < 0:
-                return self.outside_value(v, name, env)
-            held = nodes[v.node].held
-            if held is not None:
-                t = held[v.idx]
-                t = t.clone() if writes else t  # (a replayed op may write into it)
-            else:
-                t = kept_value(v)
-            env[id(v)] = t
-            return t
-
+        writes = any(self.nodes[k].writes for k in run)
+        get = self.getter(env, writes, kept_value, lambda v: self.outside_value(v, name, env))
         grad = torch.is_grad_enabled()
         if grad:
             torch.set_grad_enabled(False)
@@ -552,6 +536,28 @@ class Tape:
         finally:
             if grad:
                 torch.set_grad_enabled(True)
+
+    def getter(self, env: dict, writes: bool, kept_value, outside):
+        """``get(value)`` for :meth:`run_nodes`: a value already made (``env``), an outside
+        one (``outside(value)``), a held random op's output (a copy where a replayed op
+        ``writes``), or a kept one (``kept_value(value)``)."""
+        nodes = self.nodes
+
+        def get(v):
+            t = env.get(id(v))
+            if t is not None:
+                return t
+            if v.node < 0:
+                t = outside(v)
+            elif nodes[v.node].held is not None:
+                t = nodes[v.node].held[v.idx]
+                t = t.clone() if writes else t  # (a replayed op may write into it)
+            else:
+                t = kept_value(v)
+            env[id(v)] = t
+            return t
+
+        return get
 
     def run_nodes(self, run, targets, get, env, writes: bool, runner) -> list:
         """Run the nodes ``run`` (see replay): ``get(value)`` gives a value not made by them,
