@@ -443,3 +443,37 @@ def test_jacrev_of_random_region_with_a_view_output():
         return jacrev(wrap(lambda a: (a * torch.rand(3, 3, dtype=D)).exp().mT))(torch.ones(3, 3, dtype=D))
 
     _close(run(remat), run(ident))
+
+
+# -- 10. JAX's recursive checkpoint recompute counts, under torch.func.vjp ---------------------------
+def test_remat_recursive_checkpoint_recompute_counts_under_vjp():
+    """JAX's ``test_remat_recursive_checkpoint_recompute_counts`` (tests/test_jax_parity.py runs
+    it in eager mode: 0 Python evaluations in backward, the recorded ops are replayed).  Under
+    ``vjp`` a region with none nested in it replays too; one with nested regions runs again
+    (docs/design.md): 16 functions evaluate ``add_one`` 4 times in backward (8 before the replay
+    covered nested regions; JAX recomputes the primitive 24 times)."""
+    evals = [0]
+
+    def add_one(x):
+        evals[0] += 1
+        return x + 1
+
+    def recursive_checkpoint(funs):
+        if len(funs) == 1:
+            return funs[0]
+        if len(funs) == 2:
+            f1, f2 = funs
+            return lambda x: f1(f2(x))
+        f1 = recursive_checkpoint(funs[: len(funs) // 2])
+        f2 = recursive_checkpoint(funs[len(funs) // 2:])
+        return lambda x: f1(remat(f2)(x))
+
+    for n, expected_bwd_evals in [(4, 0), (8, 0), (16, 4)]:
+        f = recursive_checkpoint([add_one] * n)
+        evals[0] = 0
+        out, f_vjp = vjp(f, torch.ones((), dtype=D))
+        assert evals[0] == n
+        evals[0] = 0
+        (g,) = f_vjp(torch.ones((), dtype=D))
+        assert evals[0] == expected_bwd_evals, (n, evals[0])
+        assert g.item() == 1.0 and out.item() == 1.0 + n
