@@ -130,6 +130,9 @@ class CaptureMode(TorchFunctionMode):
         # forward: their wrappers are judged by them, see needs_grad)
         self.levels: dict | None = None
         self.regions = 0  # calls of regions nested directly in this one
+        # the function read or wrote ``.data``: an alias no aten op makes, which the recorded
+        # forward cannot tell from the tensor (no replay stands in for it, see _replay_live)
+        self.opaque = False
 
     def _fix(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -247,6 +250,8 @@ class CaptureMode(TorchFunctionMode):
                 self.grabbed[(call, i)] = made[i]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _DATA:
+            self.opaque = True
         given = args[0] if args else None  # (before _fix: a constant of a level set aside, unwrapped there)
         args = self._fix(args)
         kwargs = self._fix(kwargs) if kwargs else {}
@@ -279,6 +284,9 @@ class CaptureMode(TorchFunctionMode):
             if self.trace is not None:
                 self.trace.step(func, out, self.known is None, self.name)
         return out
+
+
+_DATA = (torch.Tensor.data.__get__, torch.Tensor.data.__set__)
 
 
 def _carry_grad(args, kwargs) -> bool:

@@ -204,8 +204,10 @@ def can_drop_graph(saved, grads) -> bool:
 
 def foreign_functions(roots, own) -> bool:
     """True when the graph behind ``roots`` holds a custom ``autograd.Function`` other than
-    the regions' own (class ``own``): its recorded forward ops are not what autograd
-    differentiates through it (its ``backward`` is), so no replay of them can stand in."""
+    the regions' own (class ``own``, or the single-level class functorch generates for it):
+    its recorded forward ops are not what autograd differentiates through it (its
+    ``backward`` and ``jvp`` are), so no replay of them can stand in."""
+    mine = (own.__name__, f"{own.__name__}Generated")
     seen: dict[int, Any] = {}
     stack = list(roots)
     while stack:
@@ -213,7 +215,8 @@ def foreign_functions(roots, own) -> bool:
         if node is None or id(node) in seen:
             continue
         seen[id(node)] = node
-        if isinstance(node, torch.autograd.function.BackwardCFunction) and not isinstance(node, own):
+        if isinstance(node, torch.autograd.function.BackwardCFunction) and \
+                getattr(getattr(node, "_forward_cls", None), "__name__", None) not in mine:
             return True
         stack.extend(n for n, _ in node.next_functions)
     return False

@@ -206,6 +206,7 @@ class _RegionState:
         if not recompute:
             self.fwd_hits = mode.hits
             self.parent = mode.regions > 0
+            self.foreign = True if mode.opaque else None  # (.data: no op the tape sees, see CaptureMode)
             self.escaped = mode.escaped(outs)
             return outs, rebuild
         self.trace.finish(self.name)
@@ -292,6 +293,7 @@ class _RematFunction(torch.autograd.Function):
                 # (see remat_fn._replay_live; under a vmap the tape may hold batched draws)
                 if (frame is not None or spec.replay) and not (spec.vmapped and any(n.rng is not None for n in tape.nodes)):
                     spec.out_values = [output_value(tape, t) for t in o]
+                    spec.roots = [t.grad_fn for t in o if isinstance(t, torch.Tensor) and t.grad_fn is not None]
                 mask = [_is_diff(t) and carries_grad(t) for t in o]
                 box.append((rb, mask, saved_storages(o) if keep and measure else noted,
                             pos, refs))
@@ -308,7 +310,6 @@ class _RematFunction(torch.autograd.Function):
                 frame.recomputed.clear()
                 spec.graph = vjp_fn  # (its saved tensors: handles the tape replays)
             if spec.out_values is not None:  # (see _replay_fn)
-                spec.roots = [t.grad_fn for t in douts if t.grad_fn is not None]
                 spec.bases = [id(unwrap_all(t)) for t in tensors]
             if frame is not None:
                 spec.dmeta = [out_meta(t) for t in douts]
@@ -496,7 +497,7 @@ def _replayable(spec: _RegionState) -> bool:
     if spec.out_values is None:
         return False
     if spec.foreign is None:
-        spec.foreign = foreign_functions(spec.roots, _RematFunction._backward_cls)
+        spec.foreign = foreign_functions(spec.roots, _RematFunction)
         spec.roots = []
     return not spec.foreign
 

@@ -477,3 +477,60 @@ def test_remat_recursive_checkpoint_recompute_counts_under_vjp():
         (g,) = f_vjp(torch.ones((), dtype=D))
         assert evals[0] == expected_bwd_evals, (n, evals[0])
         assert g.item() == 1.0 and out.item() == 1.0 + n
+
+
+# -- what the recorded forward cannot stand for: the function runs again, exact -------------------
+class _STE(torch.autograd.Function):
+    """A straight-through estimator: its backward and jvp are not its forward's derivative."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x.round()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t
+
+
+def _data_read(x):
+    return (x.data * x).sum()
+
+
+def _data_write(x):
+    y = x * x
+    y.data.mul_(3)
+    return y.sum()
+
+
+@pytest.mark.parametrize("fn", [lambda x: (_STE.apply(x * 3) * x).sum(), _data_read, _data_write],
+                         ids=["custom_function", "data_read", "data_write"])
+@pytest.mark.parametrize("transform", ["hessian", "jvp", "grad_of_grad", "eager_around_grad"])
+def test_regions_the_replay_cannot_stand_for(fn, transform):
+    """A custom autograd.Function inside the region (autograd differentiates its backward and
+    jvp, not its forward's ops) and ``.data`` (an alias no op makes: the tape cannot tell it
+    from the tensor) keep the function's re-run where an outer transform differentiates."""
+    x, t = torch.tensor([0.4, 1.3], dtype=D), torch.ones(2, dtype=D)
+
+    def run(wrap):
+        f = wrap(fn)
+        if transform == "hessian":
+            return hessian(f)(x)
+        if transform == "jvp":
+            return jvp(f, (x,), (t,))
+        if transform == "grad_of_grad":
+            return grad(lambda x: grad(f)(x).pow(2).sum())(x)
+        xl = x.clone().requires_grad_()
+        grad(f)(xl).sum().backward()
+        return xl.grad
+
+    _close(run(remat), run(ident))
