@@ -162,12 +162,10 @@ class _RegionState:
         self.dpos: list = []
         self.wrt: list[int] = []
         self.levels: dict | None = None  # the transforms active at the call (see needs_grad)
-        # (id of the caller's object, index) of the inputs the function also closes over (an
-        # argument that a closure reads too): substituted like captured tensors
+        # (id of the caller's object, index) of the inputs a closure reads too: substituted like captured tensors
         self.aliases: list[tuple[int, int]] = []
-        # the forward level's graph (its outputs' nodes, until checked), the ids of the plain
-        # tensors below the Function's inputs, and whether the graph holds a custom
-        # autograd.Function (its forward's ops are not what autograd differentiates)
+        # the forward level's graph (its outputs' nodes, until checked), the ids of the plain tensors below the
+        # Function's inputs, whether it holds a custom autograd.Function (whose forward's ops autograd does not differentiate)
         self.roots: list = []
         self.bases: list[int] = []
         self.foreign: bool | None = None
@@ -293,7 +291,11 @@ class _RematFunction(torch.autograd.Function):
                 # (see remat_fn._replay_live; under a vmap the tape may hold batched draws)
                 if (frame is not None or spec.replay) and not (spec.vmapped and any(n.rng is not None for n in tape.nodes)):
                     spec.out_values = [output_value(tape, t) for t in o]
-                    spec.roots = [t.grad_fn for t in o if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+                    roots = [t.grad_fn for t in o if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+                    if frame is not None:  # (checked if a replay is asked for: the graph is kept anyway)
+                        spec.roots = roots
+                    else:  # (checked now: these nodes would hold the level's graph)
+                        spec.foreign = spec.foreign or foreign_functions(roots, _RematFunction)
                 mask = [_is_diff(t) and carries_grad(t) for t in o]
                 box.append((rb, mask, saved_storages(o) if keep and measure else noted,
                             pos, refs))
@@ -547,8 +549,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         policy.note_inputs(storage_ptr(t) for t in inputs if t.grad_fn is not None)
     devices = call.rng_devices(inputs)
     snap = RNGSnapshot(devices) if call.opts.preserve_rng_state else None
-    # storages made inside the region (recorded on retries, and from the start where the
-    # function calls torch.func, whose autograd makes tensors no torch function sees)
+    # storages made inside the region (recorded on retries, and from the start where the function calls torch.func)
     produced = set() if calls_torch_func else None
     prof = active()
     start = time.perf_counter() if prof is not None else 0.0
@@ -575,11 +576,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         if policy is not None:
             spec.offload = FuncInputs(input_offloads(policy, inputs))
             spec.offload.listen(spec.rec, inputs)  # (arguments checkpoint_name names inside the region)
-        # (under vmap the forward level's tensors belong to a vmap level gone by backward)
-        # (strict: debug checks, early_stop=False or a generic context_fn, whose recompute
-        # context wraps a run of the function: backward runs it again, as on the hooks path)
-        # (nested in another region's forward: measured to keep more than the re-run under
-        # deep nesting, see docs/design.md; such a region runs again in backward)
+        # (backward runs the function again: under vmap (the tape holds batched ops), strict modes (debug,
+        # early_stop=False, a generic context_fn), offloads; nested: docs/design.md, "still runs again")
         rerun = keep_graph or call.strict or (spec.offload is not None and spec.offload.rerun) \
             or any(any_batched(t) for t in (*inputs, *captured))
         if rerun or nested:  # backward re-runs the function (nested: replays its recorded forward)
