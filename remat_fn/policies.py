@@ -273,6 +273,13 @@ class save_from_both_policies:
     policy_1: Any
     policy_2: Any
 
+    def __post_init__(self):
+        # (a list of ops, or one op, means what it means as ``policy=``: save those ops' outputs)
+        for field in ("policy_1", "policy_2"):
+            p = getattr(self, field)
+            if isinstance(p, (list, tuple, set, frozenset, OpOverload, OpOverloadPacket)):
+                object.__setattr__(self, field, normalize_policy(p))
+
     @property
     def offloads_inputs(self) -> bool:
         """Asked about the region's arguments if either policy is (see :class:`offload_inputs`)."""

@@ -435,3 +435,18 @@ def test_two_names_saved_one_still_recomputed(how, names, tanh):
     res = remat_fn.saved_residuals(remat(_two_names, policy=pol), torch.randn(4, 8),
                                    *[torch.randn(8, 8) for _ in range(3)])
     assert sorted(r.name for r in res if r.kind == "saved") == sorted(names)
+
+
+def test_save_from_both_policies_takes_a_list_of_ops_or_one_op():
+    """Inside save_from_both_policies a list of ops, or one op, means what it means as
+    ``policy=`` (it was called as a policy and failed)."""
+    w = torch.randn(8, 8, dtype=torch.float64)
+    f = lambda x: checkpoint_name(torch.tanh(x @ w), "h").sin().sum()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    mm = torch.ops.aten.mm.default
+    for sub in ([mm], mm):
+        pol = P.save_from_both_policies(sub, P.save_only_these_names("zz"))
+        alone = remat_fn.saved_residuals(remat(f, policy=[mm]), x)
+        both = remat_fn.saved_residuals(remat(f, policy=pol), x)
+        assert [(r.kind, r.name) for r in both] == [(r.kind, r.name) for r in alone]
+        assert_tree_close(torch.func.grad(remat(f, policy=pol))(x), torch.func.grad(f)(x))
