@@ -94,7 +94,7 @@ from ._path_hooks import Frame, finish_tape
 from ._profile import active, storage_bytes
 from ._record import Diverged, Record, saving
 from ._region import RegionCall, region_depth
-from ._replay_live import CannotReplay, output_value, replay_outputs
+from ._replay_live import CannotReplay, output_value, replay_fn
 from ._rng_state import RNGSnapshot
 from ._tape import Tape, Value
 from ._torch_internals import top_hooks, use_count
@@ -311,7 +311,7 @@ class _RematFunction(torch.autograd.Function):
                 frame.in_forward = False
                 frame.recomputed.clear()
                 spec.graph = vjp_fn  # (its saved tensors: handles the tape replays)
-            if spec.out_values is not None:  # (see _replay_fn)
+            if spec.out_values is not None:  # (see replay_fn)
                 spec.bases = [id(unwrap_all(t)) for t in tensors]
             if frame is not None:
                 spec.dmeta = [out_meta(t) for t in douts]
@@ -433,34 +433,18 @@ class _RematFunction(torch.autograd.Function):
         # own nested regions then save their inputs only, where a vjp of the replay, which
         # holds their ops, would keep all their activations at once.)
         outer = (not detach and torch.is_grad_enabled()) or forward_mode_active()
+        gin = None
         if (outer or not spec.parent) and _replayable(spec):
             try:
-                gin = torch.func.vjp(_replay_fn(spec, tensors, wrt, out_diff), *[tensors[i] for i in wrt])[1](cot)
-                if spec.prof is not None:
-                    spec.prof.record_recompute(spec.name, time.perf_counter() - start)
-                for i, g in zip(wrt, gin):
-                    result[i + 1] = g
-                return tuple(result)
+                with torch.no_grad() if detach else _NULL:
+                    vjp_fn = torch.func.vjp(replay_fn(spec, tensors, wrt, out_diff), *[tensors[i] for i in wrt])[1]
+                    if spec.prof is not None:
+                        spec.prof.record_recompute(spec.name, time.perf_counter() - start)
+                    gin = vjp_fn(cot)
             except CannotReplay:
                 spec.out_values = None  # (the function runs again, now and from now on)
-        f = _recompute_fn(spec, tensors, wrt, out_diff)
-        # Ops whose results backward does not need are skipped (see Tape.plan) when
-        # nothing outside differentiates this backward; otherwise all run.
-        plan = spec.plan if detach else None
-
-        def rerun(tape, plan):
-            with spec.rng or _NULL, saving(spec.rec, recompute=True, tape=tape, plan=plan), \
-                    random_in_vmap(spec.name):
-                return torch.func.vjp(f, *[tensors[i] for i in wrt])[1]
-
-        with torch.no_grad() if detach else contextlib.nullcontext(), spec.autocast:
-            try:
-                vjp_fn = rerun(spec.tape, plan)
-            except Diverged:  # (after placeholders: again, computing everything)
-                vjp_fn = rerun(None, None)
-            if spec.prof is not None:
-                spec.prof.record_recompute(spec.name, time.perf_counter() - start)
-            gin = vjp_fn(cot)
+        if gin is None:
+            gin = _rerun_vjp(spec, tensors, wrt, out_diff, detach, cot, start)
         for i, g in zip(wrt, gin):
             result[i + 1] = g
         return tuple(result)
@@ -478,7 +462,7 @@ class _RematFunction(torch.autograd.Function):
         touts = None
         if _replayable(spec):  # tangents pushed through the recorded forward
             try:
-                _, touts = torch.func.jvp(_replay_fn(spec, tensors, wrt, out_diff), primals, tans)
+                _, touts = torch.func.jvp(replay_fn(spec, tensors, wrt, out_diff), primals, tans)
             except CannotReplay:
                 spec.out_values = None
         if touts is None:
@@ -504,24 +488,26 @@ def _replayable(spec: _RegionState) -> bool:
     return not spec.foreign
 
 
-def _replay_fn(spec: _RegionState, tensors, wrt, out_diff):
-    """The region's recorded forward as a function of its differentiated inputs, returning
-    its differentiable outputs (the function's Python does not run)."""
+def _rerun_vjp(spec: _RegionState, tensors, wrt, out_diff, detach: bool, cot, start: float):
+    """Backward by running the region again under ``torch.func.vjp`` (where no replay of
+    the recorded forward stands in for it): the input gradients for ``cot``."""
+    f = _recompute_fn(spec, tensors, wrt, out_diff)
+    # Ops whose results backward does not need are skipped (see Tape.plan) when
+    # nothing outside differentiates this backward; otherwise all run.
+    plan = spec.plan if detach else None
 
-    # Two inputs over one plain tensor (a parameter given to functional_call and the module's
-    # own, closed over): the tape saw that tensor; the differentiated one stands for it
-    bases = spec.bases
-    order = [k for k in range(len(bases)) if k not in set(wrt)] + list(wrt)
-    if len({bases[k] for k in wrt}) < len(wrt):
-        raise CannotReplay("two differentiated inputs share their plain tensor")
+    def rerun(tape, plan):
+        with spec.rng or _NULL, saving(spec.rec, recompute=True, tape=tape, plan=plan), random_in_vmap(spec.name):
+            return torch.func.vjp(f, *[tensors[i] for i in wrt])[1]
 
-    def f(*diff_inputs):
-        full = replace_at(tensors, wrt, diff_inputs)
-        subst = {bases[k]: full[k] for k in order if full[k] is not None}
-        outs = replay_outputs(spec.tape, spec.out_values, subst, spec.name, spec.rec)
-        return tuple(o for o, d in zip(outs, out_diff) if d)
-
-    return f
+    with torch.no_grad() if detach else _NULL, spec.autocast:
+        try:
+            vjp_fn = rerun(spec.tape, plan)
+        except Diverged:  # (after placeholders: again, computing everything)
+            vjp_fn = rerun(None, None)
+        if spec.prof is not None:
+            spec.prof.record_recompute(spec.name, time.perf_counter() - start)
+        return vjp_fn(cot)
 
 
 def _recompute_fn(spec: _RegionState, tensors, wrt, out_diff):

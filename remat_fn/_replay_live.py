@@ -33,12 +33,13 @@ import contextlib
 
 import torch
 
+from ._func_semantics import replace_at
 from ._functorch import unwrap_all
 from ._ops import ALIASING, arg_meta, no_autocast, reenter, run_recorded
 from ._tape import Value
 from ._torch_internals import DisableFuncTorch, TorchDispatchMode
 
-__all__ = ["CannotReplay", "replay_outputs", "output_value", "INDEPENDENT"]
+__all__ = ["CannotReplay", "replay_outputs", "replay_fn", "output_value", "INDEPENDENT"]
 
 _NULL = contextlib.nullcontext()
 
@@ -69,11 +70,12 @@ def _plain(x):
     return unwrap_all(x) if isinstance(x, torch.Tensor) else x
 
 
-def _through_transforms(tape, run, inputs: set) -> set:
+def _through_transforms(tape, run, inputs: set) -> tuple[set, set]:
     """The nodes of ``run`` that run through the active transforms: those reading a value
     that depends on the inputs (``inputs``: ids of their Values) or was made by such a
     node, and those making a value such a node writes into (it must be a value of the
-    transforms too: ``h = zeros(..); h[1:].copy_(x)``)."""
+    transforms too: ``h = zeros(..); h[1:].copy_(x)``).  Returns them and the ids of the
+    values they make (with ``inputs``)."""
     nodes = tape.nodes
     top: set[int] = set()
     while True:
@@ -105,7 +107,7 @@ def _through_transforms(tape, run, inputs: set) -> set:
     for k in top:
         if nodes[k].rng is not None:
             raise CannotReplay(f"{nodes[k].func} draws random numbers into values that depend on the inputs")
-    return top
+    return top, live
 
 
 def output_value(tape, t: torch.Tensor):
@@ -150,8 +152,7 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None) -> list:
     # (a value of a storage the region writes, a BatchNorm's running statistics, is read from
     # a private copy, as the plain replay reads it: a constant, never the caller's tensor)
     inputs = {id(v) for v in outside if v.snap is None and v.t is not None and id(v.t) in subst}
-    top = _through_transforms(tape, run, inputs)
-    live = inputs | {id(v) for k in top for v in (*nodes[k].outs, *(w for _, w in nodes[k].writes)) if v is not None}
+    top, live = _through_transforms(tape, run, inputs)
     for v in held:
         n = nodes[v.node]
         if n is None or any(id(r) in live for r in n.reads):
@@ -189,3 +190,25 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None) -> list:
         got = tape.run_nodes(run, [(v, end) for v in roots], get, env, writes, runner) if run else [get(v) for v in roots]
     it = iter(got)
     return [next(it) if type(v) is Value else subst.get(id(v), v) for v in outs]
+
+
+def replay_fn(spec, tensors, wrt, out_diff):
+    """The region's recorded forward (``spec``: the torch.func path's state of one call) as a
+    function of its differentiated inputs (positions ``wrt`` of ``tensors``), returning its
+    differentiable outputs (``out_diff``); the function's Python does not run."""
+
+    # Two inputs over one plain tensor (a parameter given to functional_call and the module's
+    # own, closed over): the tape saw that tensor; the differentiated one stands for it
+    bases = spec.bases
+    diff = set(wrt)
+    order = [k for k in range(len(bases)) if k not in diff] + list(wrt)
+    if len({bases[k] for k in wrt}) < len(wrt):
+        raise CannotReplay("two differentiated inputs share their plain tensor")
+
+    def f(*diff_inputs):
+        full = replace_at(tensors, wrt, diff_inputs)
+        subst = {bases[k]: full[k] for k in order if full[k] is not None}
+        outs = replay_outputs(spec.tape, spec.out_values, subst, spec.name, spec.rec)
+        return tuple(o for o, d in zip(outs, out_diff) if d)
+
+    return f
