@@ -56,3 +56,16 @@ class OpCount(TorchDispatchMode):
         k = func.overloadpacket.__name__
         self.n[k] = self.n.get(k, 0) + 1
         return func(*args, **(kwargs or {}))
+
+
+def recursive_checkpoint(funs, wrap):
+    """JAX's ``recursive_checkpoint`` (``RematTest``): the composition of ``funs``, its second
+    half of each level wrapped by ``wrap`` (a remat)."""
+    if len(funs) == 1:
+        return funs[0]
+    if len(funs) == 2:
+        f1, f2 = funs
+        return lambda x: f1(f2(x))
+    f1 = recursive_checkpoint(funs[: len(funs) // 2], wrap)
+    f2 = recursive_checkpoint(funs[len(funs) // 2:], wrap)
+    return lambda x: f1(wrap(f2)(x))

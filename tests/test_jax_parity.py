@@ -26,7 +26,7 @@ from remat_fn import (
     saved_residuals,
 )
 
-from ._util import assert_tree_close
+from ._util import assert_tree_close, recursive_checkpoint
 
 SQRT_HALF = 1 / math.sqrt(2)
 
@@ -397,20 +397,10 @@ def test_remat_eval_counter():
 
 
 def test_remat_recursive_checkpoint_recompute_counts():
-    def recursive_checkpoint(funs):
-        if len(funs) == 1:
-            return funs[0]
-        if len(funs) == 2:
-            f1, f2 = funs
-            return lambda x: f1(f2(x))
-        f1 = recursive_checkpoint(funs[: len(funs) // 2])
-        f2 = recursive_checkpoint(funs[len(funs) // 2:])
-        return lambda x: f1(checkpoint(f2)(x))
-
     # deviation (docs/migration.md): JAX re-evaluates add_one 2, 8 and 24 times in
     # backward; eager backward now replays the recorded aten ops (no Python re-run), so 0
     for n, expected_bwd_evals in [(4, 0), (8, 0), (16, 0)]:
-        f = recursive_checkpoint([add_one] * n)
+        f = recursive_checkpoint([add_one] * n, checkpoint)
         _AddOne.evals = 0
         x = torch.ones((), requires_grad=True)
         out = f(x)

@@ -15,6 +15,8 @@ from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 from remat_fn import remat
 
+from ._util import recursive_checkpoint
+
 D = torch.float64
 
 
@@ -458,18 +460,8 @@ def test_remat_recursive_checkpoint_recompute_counts_under_vjp():
         evals[0] += 1
         return x + 1
 
-    def recursive_checkpoint(funs):
-        if len(funs) == 1:
-            return funs[0]
-        if len(funs) == 2:
-            f1, f2 = funs
-            return lambda x: f1(f2(x))
-        f1 = recursive_checkpoint(funs[: len(funs) // 2])
-        f2 = recursive_checkpoint(funs[len(funs) // 2:])
-        return lambda x: f1(remat(f2)(x))
-
     for n, expected_bwd_evals in [(4, 0), (8, 0), (16, 4)]:
-        f = recursive_checkpoint([add_one] * n)
+        f = recursive_checkpoint([add_one] * n, remat)
         evals[0] = 0
         out, f_vjp = vjp(f, torch.ones((), dtype=D))
         assert evals[0] == n

@@ -16,6 +16,12 @@ import remat_fn
 from remat_fn import PolicyError, policies, remat
 
 
+def _prints_ok(code: str) -> None:
+    """``code`` run in a fresh Python process succeeds and prints ``ok``."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_submodules_reachable_after_import_and_loaded_lazily():
     code = (
         "import sys, remat_fn\n"
@@ -28,8 +34,7 @@ def test_submodules_reachable_after_import_and_loaded_lazily():
         "assert 'distributed' in dir(remat_fn)\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    _prints_ok(code)
 
 
 def test_import_and_eager_regions_do_not_load_the_compiler():
@@ -51,8 +56,7 @@ def test_import_and_eager_regions_do_not_load_the_compiler():
         "torch.testing.assert_close(torch.autograd.grad(c(x), x), torch.autograd.grad(f(x), x))\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    _prints_ok(code)
 
 
 def test_unknown_attribute_is_an_attribute_error():
