@@ -18,6 +18,7 @@ RNG devices, a ``memory_budget`` plan), so a plain eager call pays for none.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,6 +47,10 @@ def _has_accelerator() -> bool:
 
 
 def name_of(fun: Any) -> str:
+    # remat_module's forward binds the module with functools.partial (Dynamo on
+    # torch 2.12 cannot trace function.__get__): the region is named after the method
+    while isinstance(fun, functools.partial):
+        fun = fun.func
     return getattr(fun, "__qualname__", None) or getattr(fun, "__name__", None) or type(fun).__name__
 
 

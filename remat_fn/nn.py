@@ -25,6 +25,7 @@ No wrapper function is built per forward: the options are validated once (in
 from __future__ import annotations
 
 import copyreg
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -46,8 +47,9 @@ def _make_class(cls: type[torch.nn.Module]) -> type:
     def forward(self, *args, **kwargs):
         # the options are validated once per policy (call_once caches them):
         # no wrapper is built per forward, and the module keeps no reference to
-        # itself (a cached bound method would make a reference cycle)
-        return call_once(cls.forward.__get__(self), args, kwargs, policy=self.__dict__.get(_POLICY_ATTR))
+        # itself (a cached bound method would make a reference cycle); a partial,
+        # not cls.forward.__get__(self), which Dynamo on torch 2.12 cannot trace
+        return call_once(functools.partial(cls.forward, self), args, kwargs, policy=self.__dict__.get(_POLICY_ATTR))
 
     def __reduce_ex__(self, protocol):
         # ``Remat<Name>`` cannot be looked up by name: pickle the original
