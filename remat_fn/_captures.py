@@ -41,7 +41,7 @@ from ._ops import CALL_GRAD
 from ._region import region_depth
 from ._torch_internals import DisableFuncTorch, TorchDispatchMode
 
-__all__ = ["CaptureMode", "MissedCapture", "note_region_inputs", "note_region_outputs"]
+__all__ = ["CaptureMode", "MissedCapture", "note_region_inputs", "note_region_outputs", "substituted"]
 
 
 class _Recording(threading.local):
@@ -57,6 +57,21 @@ def note_region_inputs(tensors) -> None:
     for mode in _recording.stack:
         if mode.made is not None:
             mode.held.update(id(t) for t in tensors)
+
+
+def substituted(tensors: list) -> list:
+    """``tensors`` (a nested region's arguments and the tensors it closes over) as the
+    enclosing regions' torch calls see them: a tensor an enclosing region closes over,
+    replaced as its :class:`CaptureMode` replaces it in each op (innermost first, as
+    each mode hands the call to the next).  A region call goes through no torch
+    function: without this, a nested region given a tensor its enclosing region closes
+    over (a weight passed on to it) would get the caller's object, which the enclosing
+    region's recomputation does not differentiate."""
+    for mode in reversed(_recording.stack):
+        subst = mode.subst
+        if subst:
+            tensors = [mode._fix(t) if id(t) in subst else t for t in tensors]
+    return tensors
 
 
 def note_region_outputs(tensors) -> None:

@@ -41,7 +41,7 @@ import torch
 
 from ._autocast import AutocastState
 from ._budget import Measuring
-from ._captures import CaptureMode, MissedCapture, note_region_inputs, note_region_outputs
+from ._captures import CaptureMode, MissedCapture, note_region_inputs, note_region_outputs, substituted
 from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
 from ._describe import describe
@@ -526,10 +526,11 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     ``calls_torch_func``: the function is known to call a ``torch.func``
     transform itself (see :func:`keep_nothing`)."""
     deep_enough(region_depth())
-    inputs, expand = distinct_inputs(call.inputs)
+    given, expand = distinct_inputs(call.inputs)
     name, debug = call.name, call.debug
     reach = reachable_tensors(call.reach_roots())
-    captured = reach.captured({id(t) for t in inputs})
+    captured = reach.captured({id(t) for t in given})
+    inputs = substituted(given)  # (a tensor an enclosing region closes over: as its ops see it)
     policy = call.policy("func", [*inputs, *captured])
     if type(policy) is Measuring:  # memory_budget's first call: activation inputs count
         policy.note_inputs(storage_ptr(t) for t in inputs if t.grad_fn is not None)
@@ -553,10 +554,11 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
                 "as explicit arguments."
             )
         spec = _RegionState(call.run, len(inputs), captured, name, debug, reach, expand)
+        closed = substituted(captured)  # (what the Function gets; the function reads ``captured``)
         spec.produced = produced
         spec.keep_graph = keep_graph
         spec.levels = levels
-        spec.aliases = [(id(t), k) for k, t in enumerate(inputs) if id(t) in reach.tensors]
+        spec.aliases = [(id(t), k) for k, t in enumerate(given) if id(t) in reach.tensors]
         spec.vmapped = any(is_vmap_kind(kind) for kind in levels.values())
         spec.rec = Record(policy)  # (without a policy: the op sequence, for the plan)
         if policy is not None:
@@ -565,7 +567,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         # (backward runs the function again: under vmap (the tape holds batched ops), strict modes (debug,
         # early_stop=False, a generic context_fn), offloads; nested: docs/design.md, "still runs again")
         rerun = keep_graph or call.strict or (spec.offload is not None and spec.offload.rerun) \
-            or any(any_batched(t) for t in (*inputs, *captured))
+            or any(any_batched(t) for t in (*inputs, *closed))
         if rerun or nested:  # backward re-runs the function (nested: replays its recorded forward)
             spec.tape = Tape(func_path=True)
             spec.replay = not rerun
@@ -574,13 +576,13 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             frame.rec = spec.rec
             frame.deferred = True
             spec.frame.tape = spec.tape = Tape(copies=True)
-        spec.needs = [grad_mode and needs_grad(t) and _is_diff(t) for t in (*inputs, *captured)]
+        spec.needs = [grad_mode and needs_grad(t) and _is_diff(t) for t in (*inputs, *closed)]
         spec.prof = prof
         # forward mode runs the Function's jvp inside apply: it replays the
         # forward's random draws from the snapshot taken before them
         spec.rng = snap
         try:
-            outs = _RematFunction.apply(spec, *inputs, *captured)
+            outs = _RematFunction.apply(spec, *inputs, *closed)
         except NeedsGraph:
             undo_forward(spec, snap)
             keep_graph = True
@@ -621,7 +623,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     if spec.unsure:
         check_unsure(spec)
     if spec.views:
-        rebuild(outs, spec.views, (*inputs, *captured), spec.diff, n)
+        rebuild(outs, spec.views, (*inputs, *closed), spec.diff, n)
     if off is not None:
         for o, h in zip(outs, off.hints):
             if h is not None:
