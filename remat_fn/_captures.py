@@ -144,7 +144,6 @@ class CaptureMode(TorchFunctionMode):
         # the transforms active where the region was called (set aside inside its Function's
         # forward: their wrappers are judged by them, see needs_grad)
         self.levels: dict | None = None
-        self.regions = 0  # calls of regions nested directly in this one
         # the function read or wrote ``.data``: an alias no aten op makes, which the recorded
         # forward cannot tell from the tensor (no replay stands in for it, see _replay_live)
         self.opaque = False
@@ -246,7 +245,6 @@ class CaptureMode(TorchFunctionMode):
         """A region nested in this one returned ``outs`` (see note_region_outputs)."""
         if region_depth() != self.depth + 1:
             return
-        self.regions += 1
         self._made(self.calls, outs, ())
         self.calls += 1
 

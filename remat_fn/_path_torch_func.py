@@ -92,7 +92,7 @@ from ._offload import FuncInputs, hint, input_offloads
 from ._ops import PrivateWrites, private_copies
 from ._path_hooks import Frame, finish_tape
 from ._profile import active, storage_bytes
-from ._record import Diverged, Record, saving
+from ._record import Diverged, Record, recording_tapes, saving
 from ._region import RegionCall, region_depth
 from ._replay_live import CannotReplay, output_value, replay_fn
 from ._rng_state import RNGSnapshot
@@ -115,7 +115,7 @@ class _RegionState:
                  "fwd_hits", "rec", "needs", "trace", "views", "autocast", "produced", "prof",
                  "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
-                 "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "replay", "parent")
+                 "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "replay")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -172,7 +172,6 @@ class _RegionState:
         self.out_values: list | None = None  # the outputs as the tape knows them (see _replay_live)
         self.vmapped = False  # a vmap is active at the call
         self.replay = False  # a nested region: its backward replays the recorded forward
-        self.parent = False  # regions are nested in this one
 
     def call(self, tensors, known: set[int] | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
@@ -203,7 +202,6 @@ class _RegionState:
             outs = tuple(mode._fix(o) for o in outs)
         if not recompute:
             self.fwd_hits = mode.hits
-            self.parent = mode.regions > 0
             self.foreign = True if mode.opaque else None  # (.data: no op the tape sees, see CaptureMode)
             self.escaped = mode.escaped(outs)
             return outs, rebuild
@@ -428,16 +426,14 @@ class _RematFunction(torch.autograd.Function):
             if d
         )
         start = time.perf_counter()
-        # The recorded forward, replayed: where an outer transform differentiates this backward,
-        # and for a nested region with no region nested in it.  (One with some runs again: its
-        # own nested regions then save their inputs only, where a vjp of the replay, which
-        # holds their ops, would keep all their activations at once.)
-        outer = (not detach and torch.is_grad_enabled()) or forward_mode_active()
+        # The recorded forward, replayed (where an outer transform differentiates this backward,
+        # and for a nested region): the regions nested in it replay as regions of their own
         gin = None
-        if (outer or not spec.parent) and _replayable(spec):
+        if _replayable(spec):
             try:
                 with torch.no_grad() if detach else _NULL:
-                    vjp_fn = torch.func.vjp(replay_fn(spec, tensors, wrt, out_diff), *[tensors[i] for i in wrt])[1]
+                    f = replay_fn(spec, tensors, wrt, out_diff, _run_span)
+                    vjp_fn = torch.func.vjp(f, *[tensors[i] for i in wrt])[1]
                     if spec.prof is not None:
                         spec.prof.record_recompute(spec.name, time.perf_counter() - start)
                     gin = vjp_fn(cot)
@@ -462,7 +458,7 @@ class _RematFunction(torch.autograd.Function):
         touts = None
         if _replayable(spec):  # tangents pushed through the recorded forward
             try:
-                _, touts = torch.func.jvp(replay_fn(spec, tensors, wrt, out_diff), primals, tans)
+                _, touts = torch.func.jvp(replay_fn(spec, tensors, wrt, out_diff, _run_span), primals, tans)
             except CannotReplay:
                 spec.out_values = None
         if touts is None:
@@ -486,6 +482,11 @@ def _replayable(spec: _RegionState) -> bool:
         spec.foreign = foreign_functions(spec.roots, _RematFunction)
         spec.roots = []
     return not spec.foreign
+
+
+def _run_span(fun, name: str, opts, args: tuple):
+    """A region nested in a replayed one, run as a region of its own (see remat_fn._replay_live)."""
+    return run_torch_func(RegionCall(fun, name, opts, args, {}))
 
 
 def _rerun_vjp(spec: _RegionState, tensors, wrt, out_diff, detach: bool, cot, start: float):
@@ -581,8 +582,12 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         # forward mode runs the Function's jvp inside apply: it replays the
         # forward's random draws from the snapshot taken before them
         spec.rng = snap
+        tapes = recording_tapes()  # (the enclosing regions' tapes: this call is a span of each)
+        starts = [len(t.nodes) for t in tapes]
         try:
             outs = _RematFunction.apply(spec, *inputs, *closed)
+            for t, k in zip(tapes, starts):
+                t.spans.append((k, len(t.nodes), call.opts, name))
         except NeedsGraph:
             undo_forward(spec, snap)
             keep_graph = True

@@ -34,7 +34,7 @@ from ._torch_internals import DisableTorchFunction, TorchDispatchMode, dispatch_
 from ._torch_internals import version as version_of
 from .policies import NAMED, Offload, PolicyContext, decide
 
-__all__ = ["Record", "SaveMode", "saving", "paused", "checkpoint_name", "Diverged"]
+__all__ = ["Record", "SaveMode", "saving", "paused", "checkpoint_name", "Diverged", "recording_tapes"]
 
 
 class _Local(threading.local):
@@ -42,12 +42,15 @@ class _Local(threading.local):
 
 
 _local = _Local()
-_no_torch_function = DisableTorchFunction
+
+
+def recording_tapes() -> list:
+    """The tapes the enclosing regions' forwards record (a nested region marks its span there)."""
+    return [m.tape for m in _local.stack or () if m.tape is not None and not m.recompute]
 
 
 def _kept(out):
-    """What to keep of an op's output: its values without autograd history (under a
-    functorch grad level the values below the wrapper carry the level's graph)."""
+    """An op's output without autograd history (below a functorch grad level's wrapper: its graph)."""
     return optree.tree_map(lambda t: _base(t.detach()) if isinstance(t, torch.Tensor) else t, out,
                            none_is_leaf=True)
 
@@ -495,7 +498,7 @@ class SaveMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # The bookkeeping below (detach, copies to the offload device) must not
         # show up as the region's own ops in torch-function-level traces.
-        with _no_torch_function():
+        with DisableTorchFunction():
             return self._dispatch(func, args, kwargs or {})
 
     def _dispatch(self, func, args, kwargs):
@@ -590,18 +593,16 @@ class SaveMode(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _paused(rec: Record):
-    rec.paused += 1
-    try:
-        yield
-    finally:
-        rec.paused -= 1
-
-
 def paused(rec: Record | None):
     """While active, the forward's mode of ``rec`` lets ops through untouched (a
     recomputation running inside the forward, for a backward inside the region)."""
-    return contextlib.nullcontext() if rec is None else _paused(rec)
+    if rec is not None:
+        rec.paused += 1
+    try:
+        yield
+    finally:
+        if rec is not None:
+            rec.paused -= 1
 
 
 def saving(rec: Record | None, recompute: bool, tape=None, plan=None):
@@ -641,7 +642,7 @@ def checkpoint_name(x: Any, name: str) -> Any:
         if not mode.recompute and mode.rec is not None and mode.rec.policy is not None:
             # paused: the detach that keeps the value is bookkeeping, not an op of
             # the region; recorded, it would shift the replayed op sequence
-            with _no_torch_function(), _paused(mode.rec):
+            with DisableTorchFunction(), paused(mode.rec):
                 for t in optree.tree_leaves(x):
                     if isinstance(t, torch.Tensor):
                         mode.rec.named(t, name)

@@ -142,10 +142,94 @@ class _Kept(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None) -> list:
+class _Span:
+    """A region nested in the replayed one, as one step of the replay (see :func:`_steps`):
+    its planned nodes run as a region of their own, on the values they read from before it
+    (``flat``), returning the values read after it (``outs``)."""
+
+    __slots__ = ("call", "flat", "spec", "kw", "outs", "writes")
+
+    def __init__(self, call, flat, outs):
+        self.call, self.flat, self.outs = call, flat, outs
+        self.spec, self.kw, self.writes = None, {}, ()
+
+
+def _written_from_before(tape, sub, start: int) -> bool:
+    """A node of ``sub`` writes into a value made before ``start`` (through a view of it)."""
+    nodes = tape.nodes
+    for k in sub:
+        if nodes[k].writes:
+            todo = list(tape.written_values(nodes[k]))
+            while todo:
+                w = todo.pop()
+                if w.node < start:
+                    return True
+                m = nodes[w.node]
+                if m.func.is_view or m.func in ALIASING:
+                    todo.extend(m.reads[:1])
+    return False
+
+
+def _steps(tape, run, top: set, roots, region, make_call) -> list:
+    """``run`` as the replay's steps: each region nested in the replayed one whose nodes
+    depend on the inputs becomes one :class:`_Span` (``make_call(sub, steps, inputs,
+    outputs, opts, name)``: the function that runs it), the rest node by node.  Replayed
+    as plain nodes, a vjp of the replay would keep every activation of the nested regions
+    at once; as regions, each keeps what its policy saves, as in the forward.  A span that
+    writes into a value from before it, or reads a buffer's private copy, runs node by node."""
+    nodes = tape.nodes
+    last: dict[int, int] = {}  # id(value) -> the last node of run reading it
+    for k in run:
+        for x in nodes[k].flat:
+            if type(x) is Value:
+                last[id(x)] = k
+    for v in roots:
+        last[id(v)] = len(nodes)
+    spans = sorted((s for s in tape.spans if s[1] > s[0]), key=lambda s: (s[0], -s[1]))
+
+    def build(ks: list, spans: list) -> list:
+        steps: list = []
+        i = 0
+        while spans:
+            (a, b, opts, name), inner = spans[0], []
+            rest = spans[1:]
+            while rest and rest[0][0] < b:
+                inner.append(rest.pop(0))
+            spans = rest
+            while i < len(ks) and ks[i] < a:
+                steps.append((ks[i], nodes[ks[i]]))
+                i += 1
+            j = i
+            while j < len(ks) and ks[j] < b:
+                j += 1
+            sub, i = ks[i:j], j
+            if not sub:
+                continue
+            sub_steps = build(sub, inner)
+            made = [v for k in sub for v in (*nodes[k].outs, *(w for _, w in nodes[k].writes)) if v is not None]
+            outputs = list({id(v): v for v in made if last.get(id(v), -1) >= b}.values())
+            inputs = list({id(x): x for k in sub for x in nodes[k].flat if type(x) is Value and x.node < a}.values())
+            if not outputs or not any(k in top for k in sub) or any(x.node < 0 and x.snap is not None for x in inputs) \
+                    or _written_from_before(tape, sub, a):
+                steps.extend(sub_steps)
+                continue
+            steps.append((sub[-1], _Span(make_call(sub, sub_steps, inputs, outputs, opts, name), inputs, outputs)))
+        steps.extend((k, nodes[k]) for k in ks[i:])
+        return steps
+
+    return build(list(run), spans)
+
+
+def _not_an_input(v):  # pragma: no cover - _steps makes every value from before a span an input
+    raise CannotReplay("a nested region's span reads a value that is not among its inputs")
+
+
+def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None, region=None) -> list:
     """The region's outputs (``outs``: see output_value) computed by replaying the tape on
     the tensors ``subst`` gives for the forward's plain ones (``id`` -> tensor); ``rec``:
-    the policy's record, whose kept values stand in for their ops' results."""
+    the policy's record, whose kept values stand in for their ops' results; ``region(fun,
+    name, opts, args)``: runs ``fun`` as a region (the regions nested in this one, see
+    :func:`_steps`)."""
     roots = [v for v in outs if type(v) is Value]
     run, held, outside = tape.plan(roots, lambda v: False)
     nodes = tape.nodes
@@ -175,6 +259,8 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None) -> list:
     entries = rec.entries if rec is not None else None
 
     def runner(node, args, kwargs):
+        if type(node) is _Span:
+            return node.call(*args)
         kept = bool(entries) and node.key is not None and entries.get(node.key) is not None \
             and not node.writes and node.rng is None
         if id(node) in top_ids:
@@ -185,17 +271,31 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None) -> list:
                 args = [_plain(a) for a in args]
             return rec.replay(node.func, node.key, args, kwargs) if kept else run_recorded(node, args, kwargs)
 
+    def make_call(sub, steps, inputs, outputs, opts, span_name):
+        sub_writes = any(nodes[k].writes for k in sub)
+
+        def span(*tensors):
+            env2 = {id(v): t for v, t in zip(inputs, tensors)}
+            # (every value from before the span is an input: nothing here refers to the replay's
+            # env, which the span's region, in the replay's graph, would keep alive in a cycle)
+            get2 = tape.getter(env2, sub_writes, None, _not_an_input)
+            return tuple(tape.run_nodes(sub, [(v, sub[-1] + 1) for v in outputs], get2, env2, sub_writes, runner, steps))
+
+        return lambda *tensors: region(span, span_name, opts, tensors)
+
     end = len(nodes)
+    steps = _steps(tape, run, top, roots, region, make_call) if region is not None and tape.spans and run else None
     with no_autocast(), reenter(tape.modes), rec.replaying() if entries else _NULL:
-        got = tape.run_nodes(run, [(v, end) for v in roots], get, env, writes, runner) if run else [get(v) for v in roots]
+        got = tape.run_nodes(run, [(v, end) for v in roots], get, env, writes, runner, steps) if run else [get(v) for v in roots]
     it = iter(got)
     return [next(it) if type(v) is Value else subst.get(id(v), v) for v in outs]
 
 
-def replay_fn(spec, tensors, wrt, out_diff):
+def replay_fn(spec, tensors, wrt, out_diff, region=None):
     """The region's recorded forward (``spec``: the torch.func path's state of one call) as a
     function of its differentiated inputs (positions ``wrt`` of ``tensors``), returning its
-    differentiable outputs (``out_diff``); the function's Python does not run."""
+    differentiable outputs (``out_diff``); the function's Python does not run.  ``region``:
+    see :func:`replay_outputs`."""
 
     # Two inputs over one plain tensor (a parameter given to functional_call and the module's
     # own, closed over): the tape saw that tensor; the differentiated one stands for it
@@ -208,7 +308,7 @@ def replay_fn(spec, tensors, wrt, out_diff):
     def f(*diff_inputs):
         full = replace_at(tensors, wrt, diff_inputs)
         subst = {bases[k]: full[k] for k in order if full[k] is not None}
-        outs = replay_outputs(spec.tape, spec.out_values, subst, spec.name, spec.rec)
+        outs = replay_outputs(spec.tape, spec.out_values, subst, spec.name, spec.rec, region)
         return tuple(o for o, d in zip(outs, out_diff) if d)
 
     return f

@@ -150,6 +150,9 @@ class Tape:
         self.writes_to: dict[int, list] = {}  # storage -> (node, Value) of each write into it, in order
         self.held_at: dict[int, list] = {}  # storage -> (node, index) of the held outputs on it
         self.modes: list = []  # the user's dispatch modes of the forward (see reenter)
+        # (start, end, options, name) of each region nested in this one: its nodes are tape[start:end]
+        # (a replay runs them as a region of their own, see _replay_live)
+        self.spans: list[tuple] = []
 
     def first_write(self, key: int, pos: int):
         """The write autograd expects into a tensor it saved at ``pos``: the first write into
@@ -559,24 +562,25 @@ class Tape:
 
         return get
 
-    def run_nodes(self, run, targets, get, env, writes: bool, runner) -> list:
+    def run_nodes(self, run, targets, get, env, writes: bool, runner, steps=None) -> list:
         """Run the nodes ``run`` (see replay): ``get(value)`` gives a value not made by them,
         ``runner(node, args, kwargs)`` runs one, ``env`` holds the values as they are made
-        (each let go after its last reader), ``writes``: some of them write."""
-        nodes = self.nodes
+        (each let go after its last reader), ``writes``: some of them write.  ``steps``:
+        ``(index, node)`` in order, where a node may stand for several (a nested region's)."""
+        if steps is None:
+            steps = [(k, self.nodes[k]) for k in run]
         # (a run of two ops or fewer frees nothing worth the bookkeeping)
-        last: dict[int, int] | None = {} if len(run) > 2 else None  # id(value) -> the last node reading it
+        last: dict[int, int] | None = {} if len(steps) > 2 else None  # id(value) -> the last node reading it
         if last is not None:
-            for k in run:
-                for x in nodes[k].flat:
+            for k, node in steps:
+                for x in node.flat:
                     if type(x) is Value:
                         last[id(x)] = k
         want = {id(v) for v, _ in targets}
         result: list = [None] * len(targets)
         # targets a later write may reach: (index, value, pos)
         guard = [(i, v, pos) for i, (v, pos) in enumerate(targets) if pos <= run[-1]] if writes else None
-        for k in run:
-            node = nodes[k]
+        for k, node in steps:
             flat = [get(x) if type(x) is Value else x for x in node.flat]
             if node.spec is None:
                 args, kwargs = flat, node.kw
