@@ -29,7 +29,7 @@ __all__ = [
     "op_info", "storage_key", "simple_args", "generator_of", "default_states", "devices_of", "held_copy",
     "no_autocast", "ALIASING", "SEQ", "draw", "run_recorded", "user_modes", "reenter", "written_tensors", "arg_shapes",
     "arg_meta", "has_storage", "PLAIN", "METADATA_ONLY", "single_output", "placeholder", "private_copies", "DECOMPOSED",
-    "copy_before_write", "DETACH", "PrivateWrites", "CALL_GRAD", "call_grad_mode", "BOOKKEEPING", "bookkeeping",
+    "copy_before_write", "DETACH", "PrivateWrites", "CALL_GRAD", "call_grad_mode", "BOOKKEEPING", "bookkeeping", "follow",
 ]
 
 _NULL = contextlib.nullcontext()
@@ -230,9 +230,49 @@ def draw(node, func, args, kwargs):
     if node.probe is not None or (op_info(func)[6] is None and func not in DECOMPOSED):
         return func(*args, **kwargs)
     mine = _private(g, state)
-    out = _with_generator(node.func, args, kwargs, mine)
-    g.set_state(mine.get_state())
+    drawing = _DRAWING.stack
+    drawing.append((mine, node))
+    try:
+        out = _with_generator(node.func, args, kwargs, mine)
+    finally:
+        drawing.pop()
+    end = mine.get_state()
+    g.set_state(end)
+    if drawing:  # (``g``: the private generator of a nested region's draw, see follow)
+        node.rng = (g, node.rng[1], end)
     return out
+
+
+class _Drawing(threading.local):
+    def __init__(self):
+        # (private generator, node) of each draw running on this thread: a draw inside
+        # another is an enclosing region's, of the op the other issued (its own generator
+        # comes down as another Python object: the stack, not identity, pairs them)
+        self.stack: list = []
+
+
+_DRAWING = _Drawing()
+
+
+def follow(node, args, kwargs) -> None:
+    """A recomputation of an enclosing region gave random ``node`` its forward's numbers
+    (replayed from its recorded state, or kept) where the op comes from a nested region's
+    draw (that region running its forward inside the re-run), from its private generator:
+    that region's node (and those of regions between) recorded a state read from the live
+    generator, which the replay neither reads nor moves (a second draw would read the first
+    one's state again).  They take the state the forward drew from, and the private
+    generator moves on as the forward's did."""
+    drawing = _DRAWING.stack
+    rng = node.rng
+    if not drawing or rng is None or len(rng) < 3 or (node.shapes is not None and node.shapes != arg_shapes(args, kwargs)):
+        return  # (no nested draw running, or this op ran live, from its live arguments)
+    g = generator_of(node.func, args, kwargs, op_info(node.func)[6])
+    mine = drawing[-1][0]
+    if g is None or g.device != mine.device or not torch.equal(g.get_state(), mine.get_state()):
+        return  # pragma: no cover - defensive: not the nested draw's generator
+    for _, n in drawing:
+        n.rng = (n.rng[0], rng[1], *n.rng[2:])
+    mine.set_state(rng[2])
 
 
 _A = torch.ops.aten
@@ -280,7 +320,7 @@ def run_recorded(node, args, kwargs):
             t.copy_(node.held[-1 - n])
         leaves = [t.clone() if isinstance(t, torch.Tensor) else t for i, t in sorted(node.held.items()) if i >= 0]
         return leaves[0] if single_output(node.func) else tuple(leaves)
-    return _with_generator(node.func, args, kwargs, _private(*rng))
+    return _with_generator(node.func, args, kwargs, _private(rng[0], rng[1]))
 
 
 # in-place ops that change only a tensor's sizes and strides, not its data (matmul on

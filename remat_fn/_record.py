@@ -27,7 +27,7 @@ from ._errors import MutatedSavedTensorError, RecomputeMismatchError
 from ._functorch import forward_mode_active, storage_ptr
 from ._functorch import unwrap_all as _base
 from ._offload import Offloader, Stored, hint, meta_args, tag_name
-from ._ops import BOOKKEEPING, DETACH, METADATA_ONLY, arg_meta, arg_shapes, draw, placeholder, run_recorded, single_output, user_modes
+from ._ops import BOOKKEEPING, DETACH, METADATA_ONLY, arg_meta, arg_shapes, draw, follow, placeholder, run_recorded, single_output, user_modes
 from ._residuals import residual_sink
 from ._tape import redirect_writes
 from ._torch_internals import DisableTorchFunction, TorchDispatchMode, dispatch_stack_len, schema
@@ -470,8 +470,7 @@ class SaveMode(TorchDispatchMode):
         self.counts: dict[Any, int] = {}
         self.pos = 0
         self.dummies = False  # an op was skipped (its outputs are placeholders)
-        # Forward-mode tangent ops interleave with the region's own ops, so no
-        # replay while forward-mode AD is on (see forward_mode_active).
+        # Forward-mode tangent ops interleave with the region's own ops: no replay while forward-mode AD is on (see forward_mode_active).
         self.diverged = recompute and forward_mode_active()
         # a recomputation runs inside Record.replaying (kept values checked, fetched)
         self.around = rec.replaying() if recompute and rec is not None else None
@@ -548,11 +547,9 @@ class SaveMode(TorchDispatchMode):
         n = self.counts.get(func, 0)
         self.counts[func] = n + 1
         key = (func, n)
-        # Replay kept outputs only while the recomputation runs exactly the
-        # forward's op sequence; from the first difference on (an op whose
-        # decomposition depends on grad mode, say) everything is recomputed,
-        # which is always correct, unless ops were skipped before: then it runs
-        # again, whole.
+        # Replay kept outputs only while the recomputation runs exactly the forward's op sequence; from
+        # the first difference on (an op whose decomposition depends on grad mode, say) everything is
+        # recomputed, which is always correct, unless ops were skipped before: then it runs again, whole.
         seq = rec.seq
         pos = self.pos
         if not self.diverged and (pos >= len(seq) or seq[pos] is not func):
@@ -560,15 +557,20 @@ class SaveMode(TorchDispatchMode):
         self.pos = pos + 1
         if self.diverged:
             return func(*args, **kwargs)
+        node = self.tape.nodes[rec.seq_nodes[pos]] if self.tape is not None and rec.seq_nodes else None
+        out = self._replayed(rec, func, key, pos, node, args, kwargs)
+        if node is not None and not self.diverged:
+            follow(node, args, kwargs)  # (a nested region's draw running inside this re-run)
+        return out
+
+    def _replayed(self, rec: Record, func, key, pos: int, node, args, kwargs):
         plan = self.plan
         if plan is None:
             # (a random op draws the forward's numbers from its recorded state: a kept one
             # before it, returned without drawing, must not shift what it draws)
-            node = self.tape.nodes[rec.seq_nodes[pos]] if self.tape is not None and rec.seq_nodes else None
             if node is not None and node.rng is not None and (node.shapes is None or node.shapes == arg_shapes(args, kwargs)):
                 return rec.replay(func, key, args, kwargs, lambda *a, **k: run_recorded(node, a, k))
             return rec.replay(func, key, args, kwargs)
-        node = self.tape.nodes[rec.seq_nodes[pos]]
         if node.shapes != arg_shapes(args, kwargs):  # (batched differently under vmap, say)
             self._diverge()
             return func(*args, **kwargs)
@@ -583,8 +585,7 @@ class SaveMode(TorchDispatchMode):
             self.dummies = True
             return rec.replay(func, key, args, kwargs, lambda *a, **k: placeholder(node, a, k))
         if needed:
-            # (the last: an op of a nested region's forward, which keeps what it
-            # computes: never a placeholder)
+            # (the last: an op of a nested region's forward, which keeps what it computes: never a placeholder)
             if node.writes:  # writes into tensors from outside go to copies of what the forward read
                 args, kwargs = redirect_writes(node, args, kwargs)
             return run_recorded(node, args, kwargs)
