@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -51,8 +52,7 @@ def recording_tapes() -> list:
 
 def _kept(out):
     """An op's output without autograd history (below a functorch grad level's wrapper: its graph)."""
-    return optree.tree_map(lambda t: _base(t.detach()) if isinstance(t, torch.Tensor) else t, out,
-                           none_is_leaf=True)
+    return optree.tree_map(lambda t: _base(t.detach()) if isinstance(t, torch.Tensor) else t, out, none_is_leaf=True)
 
 
 class _Entry:
@@ -76,8 +76,7 @@ class _Pending:
     __slots__ = ("t", "d")
 
     def __init__(self, t, d: Offload):
-        self.t = t
-        self.d = d
+        self.t, self.d = t, d
 
 
 class Record:
@@ -86,9 +85,10 @@ class Record:
     def __init__(self, policy, offloader: Offloader | None = None):
         self.policy = policy
         self.entries: dict[tuple, _Entry] = {}
-        # id(output) -> (op key, index, n outputs, weakref to the output): ids of
-        # freed tensors are reused, so a hit counts only while the ref is live
+        # id(output) -> (op key, index, n outputs, weakref to the output, its place in seq): ids
+        # of freed tensors are reused, so a hit counts only while the ref is live
         self.producer: dict[int, tuple] = {}
+        self.written_at: dict[int, int] = {}  # storage -> place in seq of the last op that wrote into it
         self.offloader = offloader or Offloader()
         self.ctx = PolicyContext()
         self.seq: list = []  # every op of the forward, in order
@@ -115,8 +115,7 @@ class Record:
 
     # -- forward -------------------------------------------------------------
     def before_mutation(self, func, args, kwargs) -> None:
-        """A kept output about to be modified in place is replaced by a copy first,
-        so the recomputation replays the value the forward used."""
+        """A kept output about to be modified in place is replaced by a copy first (the value the forward used)."""
         written = []
         for i, a in enumerate(schema(func).arguments):
             if a.alias_info is not None and a.alias_info.is_write:
@@ -124,15 +123,14 @@ class Record:
                 for t in optree.tree_leaves(v):
                     if isinstance(t, torch.Tensor):
                         written.append(storage_ptr(t))
+        self.written_at.update((p, len(self.seq) - 1) for p in written if p is not None)  # (see named)
         keys = set().union(*(self.by_storage.pop(p, ()) for p in written if p is not None))
         if not keys:
             return
         hit = {p for p in written if p is not None}
 
         def fix(t):
-            if isinstance(t, torch.Tensor) and storage_ptr(t) in hit:
-                return _base(t.clone())
-            return t
+            return _base(t.clone()) if isinstance(t, torch.Tensor) and storage_ptr(t) in hit else t
 
         for key in keys:
             e = self.entries.get(key)
@@ -151,9 +149,10 @@ class Record:
 
     def after_op(self, func, key, args, kwargs, out) -> None:
         leaves = out if type(out) in (tuple, list) else (out,)
+        pos = len(self.seq) - 1
         for i, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
-                self.producer[id(t)] = (key, i, len(leaves), weakref.ref(t))
+                self.producer[id(t)] = (key, i, len(leaves), weakref.ref(t), pos)
         if self.policy is None or schema(func).is_mutable or func.is_view:
             return
         if not any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) for t in leaves):
@@ -233,7 +232,14 @@ class Record:
             if isinstance(d, Offload) and self.on_input is not None:
                 self.on_input(base, d)  # (an argument: offloaded as offload_inputs offloads one)
             return
-        key, i, n, _ = where
+        key, i, n, _, pos = where
+        if self.written_at.get(storage_ptr(base), -1) > pos:
+            if d == "save" or isinstance(d, Offload):
+                warnings.warn(
+                    f"checkpoint_name({name!r}) named a value written in place through another view after the op that made "
+                    "it (y[:, 0] += b; checkpoint_name(y, ...)): no op's output holds that value, so the policy cannot keep "
+                    "it by name and it is recomputed. Fix: name the value before the write, or write out of place.", stacklevel=3)
+            return
         if d == "save":
             e = self.entries.setdefault(key, _Entry(None))
             if e.out is None:
@@ -392,11 +398,9 @@ class Record:
         for t, v in self.versions:
             if version_of(t) != v:
                 raise MutatedSavedTensorError(
-                    f"A value {describe(t)} saved by the remat policy was modified in place "
-                    f"after the forward (version {v} -> {version_of(t)}), so backward would use "
-                    "the modified value. Fix: clone the region's output before modifying it "
-                    "(y = y.clone()), or apply the in-place update after the backward pass."
-                )
+                    f"A value {describe(t)} saved by the remat policy was modified in place after the forward (version {v} -> "
+                    f"{version_of(t)}), so backward would use the modified value. Fix: clone the region's output before "
+                    "modifying it (y = y.clone()), or apply the in-place update after the backward pass.")
 
     def prefetch(self) -> None:
         self.offloader.begin(recompute=True)
@@ -419,34 +423,34 @@ class Record:
 
     def replay(self, func, key, args, kwargs, compute=None):
         """``func``'s output with the kept parts of it put in; what is not kept comes from
-        ``compute`` (default: running ``func``)."""
-        out = self._replay(func, key, args, kwargs, compute or func)
-        if key in self.overwritten:
+        ``compute`` (default: running ``func``).  An op that writes (``h.mul_(2)``, the
+        ``squeeze_`` that ends a matmul of a vector) runs, then gets its kept outputs
+        copied into its own: an in-place op's result is its argument, so the layers above
+        would drop a kept tensor returned in its place (and read what the re-run computed)."""
+        writes = schema(func).is_mutable
+        out = self._replay(func, key, args, kwargs, compute or func, writes)
+        if key in self.overwritten and not writes:
             out = optree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, out, none_is_leaf=True)
         return out
 
-    def _replay(self, func, key, args, kwargs, compute):
+    def _replay(self, func, key, args, kwargs, compute, writes: bool):
         e = self.entries.get(key)
         if e is None:
             return compute(*args, **kwargs)
         if e.meta is not None and e.meta != arg_meta(args):
             raise RecomputeMismatchError(
-                f"Recomputing a remat region ran {func} (call #{key[1]}) on inputs "
-                f"{arg_meta(args)} but the forward ran it on {e.meta}. The region must run the "
-                "same ops each time: make control flow depend only on its arguments."
-            )
+                f"Recomputing a remat region ran {func} (call #{key[1]}) on inputs {arg_meta(args)} but the forward ran "
+                f"it on {e.meta}. The region must run the same ops each time: make control flow depend only on its arguments.")
         if e.out is not None:
-            return optree.tree_map(lambda x: _base(x.detach()) if isinstance(x, torch.Tensor) else x,
-                                   e.out, none_is_leaf=True)
-        if single_output(func) and (0 in e.parts or 0 in e.offloaded):
+            return optree.tree_map(lambda x: _base(x.detach()) if isinstance(x, torch.Tensor) else x, e.out, none_is_leaf=True)
+        if not writes and single_output(func) and (0 in e.parts or 0 in e.offloaded):
             return _base(e.parts[0].detach()) if 0 in e.parts else self.offloader.fetch(e.offloaded[0])
         out = compute(*args, **kwargs)
         multi = type(out) in (tuple, list)
         leaves = list(out) if multi else [out]
-        for i, t in e.parts.items():
-            leaves[i] = _base(t.detach())
-        for i, h in e.offloaded.items():
-            leaves[i] = self.offloader.fetch(h)
+        kept = [(i, _base(t.detach())) for i, t in e.parts.items()] + [(i, self.offloader.fetch(h)) for i, h in e.offloaded.items()]
+        for i, t in kept:
+            leaves[i] = leaves[i].copy_(t) if writes else t
         return type(out)(leaves) if multi else leaves[0]
 
 
@@ -518,9 +522,8 @@ class SaveMode(TorchDispatchMode):
             # level inserts its own detaches where the forward ran none: leaving
             # them out of the policy's op sequence keeps the replay aligned.
             return func(*args, **kwargs) if tape is None else tape.record(func, None, args, kwargs)
-        n = self.counts.get(func, 0)
-        self.counts[func] = n + 1
-        key = (func, n)
+        key = (func, self.counts.get(func, 0))
+        self.counts[func] = key[1] + 1
         node = None
         if tape is not None:
             node = tape.before(func, key, args, kwargs)
@@ -528,7 +531,7 @@ class SaveMode(TorchDispatchMode):
             rec.seq.append(func)
             if tape is not None:
                 rec.seq_nodes.append(len(tape.nodes))
-            if rec.entries and schema(func).is_mutable and func.overloadpacket not in METADATA_ONLY:
+            if schema(func).is_mutable and func.overloadpacket not in METADATA_ONLY:
                 rec.before_mutation(func, args, kwargs)
         out = func(*args, **kwargs) if node is None or node.rng is None else draw(node, func, args, kwargs)
         if node is not None:
@@ -544,12 +547,11 @@ class SaveMode(TorchDispatchMode):
             raise Diverged()
 
     def _recompute(self, rec: Record, func, args, kwargs):
-        n = self.counts.get(func, 0)
-        self.counts[func] = n + 1
-        key = (func, n)
-        # Replay kept outputs only while the recomputation runs exactly the forward's op sequence; from
-        # the first difference on (an op whose decomposition depends on grad mode, say) everything is
-        # recomputed, which is always correct, unless ops were skipped before: then it runs again, whole.
+        key = (func, self.counts.get(func, 0))
+        self.counts[func] = key[1] + 1
+        # Replay kept outputs only while the recomputation runs exactly the forward's op sequence; from the first
+        # difference on (an op whose decomposition depends on grad mode, say) everything is recomputed, which is
+        # always correct, unless ops were skipped before: then it runs again, whole.
         seq = rec.seq
         pos = self.pos
         if not self.diverged and (pos >= len(seq) or seq[pos] is not func):
@@ -576,18 +578,17 @@ class SaveMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if node.held is not None:  # (a random op whose outputs the tape holds)
             return run_recorded(node, args, kwargs)
-        needed = (rec.seq_nodes[pos] in plan or func.is_view or func.overloadpacket in METADATA_ONLY
-                  or _local.stack[-1] is not self)
-        if rec.entries.get(key) is not None and not node.writes:
-            if needed:
+        needed = rec.seq_nodes[pos] in plan or func.is_view or func.overloadpacket in METADATA_ONLY or _local.stack[-1] is not self
+        kept = rec.entries.get(key) is not None
+        if node.writes and (needed or kept):  # writes into tensors from outside go to copies of what the forward read
+            args, kwargs = redirect_writes(node, args, kwargs)
+        if kept:  # (an op that writes runs, or is a placeholder, and gets the kept values copied in: see Record.replay)
+            if needed and not node.writes:
                 return rec.replay(func, key, args, kwargs)
             # (its other outputs are not needed: placeholders, never the op on placeholder inputs)
-            self.dummies = True
-            return rec.replay(func, key, args, kwargs, lambda *a, **k: placeholder(node, a, k))
-        if needed:
-            # (the last: an op of a nested region's forward, which keeps what it computes: never a placeholder)
-            if node.writes:  # writes into tensors from outside go to copies of what the forward read
-                args, kwargs = redirect_writes(node, args, kwargs)
+            self.dummies |= not needed
+            return rec.replay(func, key, args, kwargs, lambda *a, **k: (run_recorded if needed else placeholder)(node, a, k))
+        if needed:  # (the last: an op of a nested region's forward, which keeps what it computes: never a placeholder)
             return run_recorded(node, args, kwargs)
         self.dummies = True
         return placeholder(node, args, kwargs)
@@ -595,8 +596,7 @@ class SaveMode(TorchDispatchMode):
 
 @contextlib.contextmanager
 def paused(rec: Record | None):
-    """While active, the forward's mode of ``rec`` lets ops through untouched (a
-    recomputation running inside the forward, for a backward inside the region)."""
+    """While active, ``rec``'s forward mode lets ops through (a recomputation inside the forward: a backward in the region)."""
     if rec is not None:
         rec.paused += 1
     try:
@@ -607,8 +607,7 @@ def paused(rec: Record | None):
 
 
 def saving(rec: Record | None, recompute: bool, tape=None, plan=None):
-    """The context that records (``recompute=False``) or replays ``rec`` and ``tape``;
-    a no-op without either."""
+    """The context that records (``recompute=False``) or replays ``rec`` and ``tape``; a no-op without either."""
     if rec is None and tape is None:
         return contextlib.nullcontext()
     return SaveMode(rec, recompute, tape, plan)
