@@ -10,27 +10,56 @@ so that autograd knows what plain autograd knows.
 
 ``as_strided`` differentiates through memory: on a base whose elements overlap (an
 ``expand``ed tensor) its backward spreads a gradient over every element sharing the
-memory, which is not what the view op the function ran (``select``) does.  Such bases,
-and outputs under ``vmap`` (wrapped tensors), are left as the Function returned them.
+memory, which is not what the view op the function ran (``select``) does.  Such bases
+are left as the Function returned them.
+
+Under ``vmap`` the Function's forward sees ``BatchedTensor``s (its generated vmap rule
+runs it under a vmap level of its own) and the caller gets them back wrapped: sizes,
+strides and offset are then the logical ones of one example, which is what ``as_strided``
+takes under ``vmap`` (its batching rule prepends the base's batch strides to the strides
+given and reads the offset as the physical one of the first example).  So an output is
+rebuilt there too, where it and its base are batched alike (the same batch sizes and
+strides at every level, :func:`_batching`): each example's view is then the same view of
+that example's base.  Left as the Function returned them, such outputs share memory but
+not history, and a write into one after the region (``a.mul_(3)``) changed the other's
+value but not its gradient (``vmap(grad)``, ``vmap(vjp)``, ``grad`` of a ``vmap``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._functorch import is_wrapped, storage_ptr
+from ._func_graph import alias_output
+from ._functorch import C, storage_ptr, unwrap_all
+from ._torch_internals import is_view
 
-__all__ = ["alias_map", "rebuild"]
+__all__ = ["alias_map", "rebuild", "returned"]
+
+
+def _batching(t: torch.Tensor) -> tuple | None:
+    """How functorch wraps ``t``: ``(level, batch size, batch stride)`` of each ``vmap``
+    level, outermost wrapper first (``()`` for a plain tensor); ``None`` where a wrapper
+    is not a ``vmap`` one (a live grad level: the Function's forward runs below them)."""
+    out = []
+    while C.is_functorch_wrapped_tensor(t):
+        if not C.is_batchedtensor(t):
+            return None
+        level, bdim = C.maybe_get_level(t), C.maybe_get_bdim(t)
+        t = C.get_unwrapped(t)
+        out.append((level, t.shape[bdim], t.stride(bdim)))
+    return tuple(out)
 
 
 def _plain(t) -> bool:
-    return isinstance(t, torch.Tensor) and not is_wrapped(t) and t.layout == torch.strided and t.numel() > 0
+    """A strided tensor whose view can be rebuilt with ``as_strided`` (plain, or batched)."""
+    return isinstance(t, torch.Tensor) and t.layout == torch.strided and t.numel() > 0 and _batching(t) is not None
 
 
 def overlaps(t: torch.Tensor) -> bool:
     """True where two elements of ``t`` may share memory (conservative: a layout it cannot
     tell counts as overlapping)."""
     reach = 0
+    t = unwrap_all(t)  # (under vmap: the examples must not share memory either)
     for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
         if stride <= reach:
             return True
@@ -51,7 +80,12 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 
 def _covers(base: torch.Tensor, t: torch.Tensor) -> bool:
     (a, b), (c, d) = _extent(base), _extent(t)
-    return a <= c and d <= b and base.dtype == t.dtype and base.device == t.device
+    return a <= c and d <= b and _alike(base, t)
+
+
+def _alike(base: torch.Tensor, t: torch.Tensor) -> bool:
+    """``t`` can be made as ``base.as_strided(...)``: same dtype and device, batched alike."""
+    return base.dtype == t.dtype and base.device == t.device and _batching(base) == _batching(t)
 
 
 def alias_map(outs, tensors, diff) -> dict[int, tuple]:
@@ -72,7 +106,7 @@ def alias_map(outs, tensors, diff) -> dict[int, tuple]:
         if p is None:
             continue
         j = storages.get(p)
-        if j is not None and o.dtype == tensors[j].dtype and o.device == tensors[j].device:
+        if j is not None and _alike(tensors[j], o):
             found[i] = ("in", j, tuple(o.shape), o.stride(), o.storage_offset())
         else:
             by_storage.setdefault(p, []).append(i)
@@ -89,6 +123,29 @@ def alias_map(outs, tensors, diff) -> dict[int, tuple]:
                     found[i] = ("out", j, tuple(o.shape), o.stride(), o.storage_offset())
             break
     return found
+
+
+def returned(outs, tensors) -> tuple:
+    """The Function's forward's ``outs`` as it returns them.  An output that *is* an input
+    would be aliased by autograd: a view of it.  (Below the wrappers: vmap's generated rule
+    unwraps them, so an output that wraps an input's tensor, ``x.t()`` of a vmapped vector,
+    is that input there.)  One that is a view of a tensor made inside (``h[1:]``, under
+    vmap, where the forward's level's outputs are not private aliases) becomes a private
+    alias that is no view: autograd refuses writes into a custom Function's view outputs
+    ("Output 0 of Vmapped_RematFunction is a view and is being modified inplace"), which
+    plain code makes (eager autograd around a vmap).  The outputs that are views of each
+    other are views again after the Function (:func:`rebuild`)."""
+    inputs = {id(unwrap_all(t)) for t in tensors}
+    storages = {storage_ptr(t) for t in tensors}
+
+    def one(o):
+        if not isinstance(o, torch.Tensor):
+            return o
+        if id(unwrap_all(o)) in inputs:
+            return o.view_as(o)
+        return alias_output(o) if is_view(unwrap_all(o)) and storage_ptr(o) not in storages else o
+
+    return tuple(one(o) for o in outs)
 
 
 def rebuild(outs: list, views: dict[int, tuple], inputs, diff, n: int) -> None:

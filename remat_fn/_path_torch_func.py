@@ -57,7 +57,7 @@ from ._func_graph import (
     release_outputs,
     saved_storages,
 )
-from ._func_outputs import alias_map, rebuild
+from ._func_outputs import alias_map, rebuild, returned
 from ._func_semantics import (
     ForwardHook,
     NeedsGraph,
@@ -378,11 +378,7 @@ class _RematFunction(torch.autograd.Function):
             spec.rec.producer = {}
             spec.rec.seal(outs)
         spec.views = alias_map(outs, tensors, spec.diff)
-        # An output that *is* an input would be aliased by autograd; return a view.  (Below
-        # the wrappers: vmap's generated rule unwraps them, so an output that wraps an
-        # input's tensor, x.t() of a vmapped vector, is that input there.)
-        inputs = {id(unwrap_all(t)) for t in tensors}
-        outs = tuple(o.view_as(o) if isinstance(o, torch.Tensor) and id(unwrap_all(o)) in inputs else o for o in outs)
+        outs = returned(outs, tensors)
         spec.out_box.append(rebuild)
         spec.out_meta = [out_meta(o) for o in outs]
         return outs
