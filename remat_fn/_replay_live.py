@@ -194,7 +194,9 @@ def _steps(tape, run, top: set, roots, region, make_call) -> list:
             (a, b, opts, name), inner = spans[0], []
             rest = spans[1:]
             while rest and rest[0][0] < b:
-                inner.append(rest.pop(0))
+                s = rest.pop(0)
+                if s[1] <= b:  # (nested in it; one that is not, from a forward tried again, is left out)
+                    inner.append(s)
             spans = rest
             while i < len(ks) and ks[i] < a:
                 steps.append((ks[i], nodes[ks[i]]))
