@@ -286,7 +286,7 @@ def plan_rerun(spec, roots, inputs) -> None:
     run, used_kept, used_outside = tape.plan_kept(roots, rec)
     replay = spec.out_values is not None
     if replay:
-        used_outside = used_outside | tape.plan([*roots, *(v for v in spec.out_values if isinstance(v, Value))],
+        used_outside = used_outside | tape.plan([*roots, *tape.out_writes, *(v for v in spec.out_values if isinstance(v, Value))],
                                                 lambda v: False)[2]
     tape.release(used_outside)
     # The recomputation re-runs the function, which reads the live tensors: the ones

@@ -359,7 +359,7 @@ class _RematFunction(torch.autograd.Function):
                 spec.wrt = wrt
                 if spec.offload is not None:
                     spec.offload.hints = rec.hint_outputs(outs)
-                finish_tape(frame, tensors, outs, None, full=[v for v in spec.out_values or () if type(v) is Value])
+                finish_tape(frame, tensors, outs, None, full=[*(v for v in spec.out_values or () if type(v) is Value), *tape.out_writes])
             else:
                 plan_rerun(spec, roots, tensors)
             if isinstance(rec.policy, Measuring) and frame is None:  # memory_budget's first call
@@ -578,7 +578,9 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         # forward mode runs the Function's jvp inside apply: it replays the
         # forward's random draws from the snapshot taken before them
         spec.rng = snap
-        tapes = recording_tapes()  # (the enclosing regions' tapes: this call is a span of each)
+        # (the enclosing regions' tapes: this call is a span of each; under no_grad, where it runs as
+        # plain code, none: its ops replay one by one, each under its own grad mode)
+        tapes = recording_tapes() if grad_mode else []
         starts = [len(t.nodes) for t in tapes]
         try:
             outs = _RematFunction.apply(spec, *inputs, *closed)

@@ -112,8 +112,13 @@ def _through_transforms(tape, run, inputs: set) -> tuple[set, set]:
 
 def output_value(tape, t: torch.Tensor):
     """What the tape knows ``t`` (an output of the region) as: its Value, or the plain
-    tensor itself where the region returned a tensor it did not make or read."""
+    tensor itself where the region returned a tensor it did not make or read.  The last
+    write into its storage (through another view of it: ``y[0].sin_()``) is noted in
+    ``tape.out_writes``: a replay runs it too, though no op reads the output after it."""
     b = unwrap_all(t)
+    w = tape.write_before(b) if tape.reg is not None else None
+    if w is not None:
+        tape.out_writes.append(w)
     e = tape.reg.get(id(b)) if tape.reg is not None else None
     if e is not None:
         v, ref = e
@@ -233,7 +238,7 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None, region=No
     name, opts, args)``: runs ``fun`` as a region (the regions nested in this one, see
     :func:`_steps`)."""
     roots = [v for v in outs if type(v) is Value]
-    run, held, outside = tape.plan(roots, lambda v: False)
+    run, held, outside = tape.plan([*roots, *tape.out_writes], lambda v: False)
     nodes = tape.nodes
     # (a value of a storage the region writes, a BatchNorm's running statistics, is read from
     # a private copy, as the plain replay reads it: a constant, never the caller's tensor)
@@ -260,10 +265,10 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None, region=No
 
     entries = rec.entries if rec is not None else None
 
-    def runner(node, args, kwargs):
+    def runner(node, args, kwargs, keep=True):
         if type(node) is _Span:
             return node.call(*args)
-        kept = bool(entries) and node.key is not None and entries.get(node.key) is not None \
+        kept = keep and bool(entries) and node.key is not None and entries.get(node.key) is not None \
             and not node.writes and node.rng is None
         if id(node) in top_ids:
             with torch.set_grad_enabled(node.grad), _Kept(node, rec) if kept else _NULL:
@@ -273,6 +278,9 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None, region=No
                 args = [_plain(a) for a in args]
             return rec.replay(node.func, node.key, args, kwargs) if kept else run_recorded(node, args, kwargs)
 
+    def span_runner(node, args, kwargs):
+        return runner(node, args, kwargs, False)
+
     def make_call(sub, steps, inputs, outputs, opts, span_name):
         sub_writes = any(nodes[k].writes for k in sub)
 
@@ -281,7 +289,9 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None, region=No
             # (every value from before the span is an input: nothing here refers to the replay's
             # env, which the span's region, in the replay's graph, would keep alive in a cycle)
             get2 = tape.getter(env2, sub_writes, None, _not_an_input)
-            return tuple(tape.run_nodes(sub, [(v, sub[-1] + 1) for v in outputs], get2, env2, sub_writes, runner, steps))
+            # (values this region's policy kept are computed in the span: returned in place of their
+            # op, they would be constants of the span's region, which its own replay drops)
+            return tuple(tape.run_nodes(sub, [(v, sub[-1] + 1) for v in outputs], get2, env2, sub_writes, span_runner, steps))
 
         return lambda *tensors: region(span, span_name, opts, tensors)
 

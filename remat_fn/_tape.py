@@ -153,6 +153,7 @@ class Tape:
         # (start, end, options, name) of each region nested in this one: its nodes are tape[start:end]
         # (a replay runs them as a region of their own, see _replay_live)
         self.spans: list[tuple] = []
+        self.out_writes: list = []  # the last write into each output's storage (see _replay_live.output_value)
 
     def first_write(self, key: int, pos: int):
         """The write autograd expects into a tensor it saved at ``pos``: the first write into
