@@ -23,6 +23,15 @@ strides at every level, :func:`_batching`): each example's view is then the same
 that example's base.  Left as the Function returned them, such outputs share memory but
 not history, and a write into one after the region (``a.mul_(3)``) changed the other's
 value but not its gradient (``vmap(grad)``, ``vmap(vjp)``, ``grad`` of a ``vmap``).
+
+An output that is not batched under the ``vmap`` (``torch.tanh(w * 2)`` beside ``h * w``,
+``h`` vmapped, ``w`` not) meets a bug of torch's generated vmap rule where something
+outside the ``vmap`` differentiates (``grad``/``vjp``/``jacrev`` of a ``vmap``, eager
+autograd around one): the rule's backward gets that output's cotangent already summed
+over the batch, runs the Function's backward once per example with it, and sums the
+input gradients over the batch again (``reductify``), so that term is B times too large.
+:func:`batched_outputs` returns such outputs batched (an expanded view, no copy), so
+their cotangents arrive per example.
 """
 
 from __future__ import annotations
@@ -30,10 +39,10 @@ from __future__ import annotations
 import torch
 
 from ._func_graph import alias_output
-from ._functorch import C, storage_ptr, unwrap_all
+from ._functorch import C, storage_ptr, unwrap_all, vmap_sizes
 from ._torch_internals import is_view
 
-__all__ = ["alias_map", "rebuild", "returned"]
+__all__ = ["alias_map", "rebuild", "returned", "batched_outputs"]
 
 
 def _batching(t: torch.Tensor) -> tuple | None:
@@ -159,3 +168,54 @@ def rebuild(outs: list, views: dict[int, tuple], inputs, diff, n: int) -> None:
         else:
             base = outs[j]
         outs[i] = base.as_strided(size, stride, offset)
+
+
+def batched_outputs(outs: tuple, tensors, diff, widen: list[bool], views: dict[int, tuple]) -> tuple:
+    """The Function's forward's ``outs`` (run under its generated vmap rule) with each
+    differentiable output batched at every ``vmap`` level where ``widen`` says something
+    outside differentiates (see :func:`remat_fn._functorch.differentiated_outside_vmaps`)
+    and an input or output is batched (where none is, the rule's backward runs once, on the
+    whole cotangent, and sums nothing): one not batched there becomes an expanded view
+    batched there.  Views among them
+    (``views``, see :func:`alias_map`) stay views of an input (rebuilt from it after the
+    Function, unbatched as in plain code); views of an expanded output are dropped (its
+    elements overlap: ``as_strided`` would spread their gradient)."""
+    stack = vmap_sizes()
+    if len(stack) != len(widen):  # (not expected: each vmap level runs the generated rule)
+        widen = [any(widen)] * len(stack)
+    batched = {level for t in (*tensors, *outs) if isinstance(t, torch.Tensor) for level in _vmap_levels(t)}
+    levels = [(level, size, w and level in batched) for (level, size), w in zip(stack, widen)]
+    out, changed = [], set()
+    for i, (o, d) in enumerate(zip(outs, diff)):
+        b = _batched_at(o, levels) if d and isinstance(o, torch.Tensor) else o
+        if b is not o:
+            changed.add(i)
+        out.append(b)
+    for i in [i for i, (kind, j, *_) in views.items() if kind == "out" and (i in changed or j in changed)]:
+        del views[i]
+    return tuple(out)
+
+
+def _vmap_levels(t: torch.Tensor) -> list[int]:
+    out = []
+    while C.is_functorch_wrapped_tensor(t):
+        if C.is_batchedtensor(t):
+            out.append(C.maybe_get_level(t))
+        t = C.get_unwrapped(t)
+    return out
+
+
+def _batched_at(t: torch.Tensor, levels: list) -> torch.Tensor:
+    """``t`` batched at each of ``levels`` (``(level, batch size, widen)``, outermost first)
+    where ``widen`` is set: expanded along a new batch dimension where it is not."""
+    if not levels:
+        return t
+    level, size, widen = levels[-1]
+    if C.is_batchedtensor(t) and C.maybe_get_level(t) == level:
+        inner = C.get_unwrapped(t)
+        below = _batched_at(inner, levels[:-1])
+        return t if below is inner else C._add_batch_dim(below, C.maybe_get_bdim(t), level)
+    below = _batched_at(t, levels[:-1])
+    if not widen:
+        return below
+    return C._add_batch_dim(below.expand(size, *below.shape), 0, level)

@@ -19,7 +19,7 @@ __all__ = [
     "unwrap_all",
     "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead",
     "forward_mode_active", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
-    "requires_grad_anywhere", "is_vmap_kind",
+    "requires_grad_anywhere", "is_vmap_kind", "vmap_sizes", "differentiated_outside_vmaps",
 ]
 
 C = functorch  # the C++ functorch bindings (checked in remat_fn._torch_internals)
@@ -119,6 +119,25 @@ def is_grad_kind(kind) -> bool:
 
 def is_vmap_kind(kind) -> bool:
     return kind == C.TransformType.Vmap
+
+
+def vmap_sizes() -> list[tuple[int, int]]:
+    """``(level, batch size)`` of each active ``vmap`` level, outermost first."""
+    return [(i.level(), C.CVmapInterpreterPtr(i).batchSize()) for i in transform_stack() if is_vmap_kind(i.key())]
+
+
+def differentiated_outside_vmaps(levels: dict, eager: bool) -> list[bool]:
+    """For each ``vmap`` level among ``levels`` (``level -> kind``, see :func:`live_levels`),
+    outermost first: whether a grad level outside it differentiates through it (or eager
+    autograd does: ``eager``).  There a custom ``autograd.Function``'s generated vmap rule
+    runs its backward once per example (see ``remat_fn._func_outputs.batched_outputs``)."""
+    out, outside = [], eager
+    for _, kind in sorted(levels.items(), key=lambda lk: lk[0]):
+        if is_vmap_kind(kind):
+            out.append(outside)
+        elif kind == _GRAD:
+            outside = True
+    return out
 
 
 def forward_mode_active() -> bool:

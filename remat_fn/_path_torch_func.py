@@ -57,7 +57,7 @@ from ._func_graph import (
     release_outputs,
     saved_storages,
 )
-from ._func_outputs import alias_map, rebuild, returned
+from ._func_outputs import alias_map, batched_outputs, rebuild, returned
 from ._func_semantics import (
     ForwardHook,
     NeedsGraph,
@@ -79,6 +79,7 @@ from ._func_semantics import (
 from ._functorch import (
     any_batched,
     carries_grad,
+    differentiated_outside_vmaps,
     forward_mode_active,
     is_vmap_kind,
     live_levels,
@@ -115,7 +116,7 @@ class _RegionState:
                  "fwd_hits", "rec", "needs", "trace", "views", "autocast", "produced", "prof",
                  "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
-                 "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "replay")
+                 "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "replay", "widen")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -172,6 +173,7 @@ class _RegionState:
         self.out_values: list | None = None  # the outputs as the tape knows them (see _replay_live)
         self.vmapped = False  # a vmap is active at the call
         self.replay = False  # a nested region: its backward replays the recorded forward
+        self.widen: list[bool] = []  # per vmap level: something outside differentiates (see batched_outputs)
 
     def call(self, tensors, known: set[int] | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
@@ -379,6 +381,8 @@ class _RematFunction(torch.autograd.Function):
             spec.rec.seal(outs)
         spec.views = alias_map(outs, tensors, spec.diff)
         outs = returned(outs, tensors)
+        if any(spec.widen):  # (torch's generated vmap rule: see remat_fn._func_outputs)
+            outs = batched_outputs(outs, tensors, spec.diff, spec.widen, spec.views)
         spec.out_box.append(rebuild)
         spec.out_meta = [out_meta(o) for o in outs]
         return outs
@@ -574,6 +578,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             frame.deferred = True
             spec.frame.tape = spec.tape = Tape(copies=True)
         spec.needs = [grad_mode and needs_grad(t) and _is_diff(t) for t in (*inputs, *closed)]
+        if spec.vmapped and any(spec.needs):
+            spec.widen = differentiated_outside_vmaps(levels, any(unwrap_all(t).requires_grad for t in (*inputs, *closed)))
         spec.prof = prof
         # forward mode runs the Function's jvp inside apply: it replays the
         # forward's random draws from the snapshot taken before them
