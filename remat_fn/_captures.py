@@ -69,8 +69,8 @@ def substituted(tensors: list) -> list:
     region's recomputation does not differentiate."""
     for mode in reversed(_recording.stack):
         subst = mode.subst
-        if subst:
-            tensors = [mode._fix(t) if id(t) in subst else t for t in tensors]
+        if subst or mode.levels is not None:
+            tensors = [mode._fix(t) if id(t) in subst else mode._set_aside(t) for t in tensors]
     return tensors
 
 
@@ -170,6 +170,14 @@ class CaptureMode(TorchFunctionMode):
             return tx(tuple(self._fix(v) for v in x))
         if tx is dict:
             return {k: self._fix(v) for k, v in x.items()}
+        return x
+
+    def _set_aside(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` given to a region nested in this one's forward (see :func:`substituted`): a
+        constant wrapped at a level set aside here, as this region's ops read it (:meth:`_fix`)."""
+        if (self.known is not None and self.levels is not None and from_lowered_level(x)
+                and not needs_grad(x, self.levels)):
+            return unwrap_all(x)
         return x
 
     def _inner(self, x: torch.Tensor) -> bool:

@@ -32,7 +32,7 @@ import torch
 from ._closures import reachable_tensors
 from ._describe import describe, describe_meta
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_outside
-from ._functorch import storage_ptr, unwrap_if_dead
+from ._functorch import draws_batched, storage_ptr, unwrap_if_dead
 from ._tape import Value
 from ._torch_internals import disable_hooks as _disable_hooks
 from ._torch_internals import enable_hooks as _enable_hooks
@@ -43,7 +43,7 @@ from ._torch_internals import push_hooks as _push_hooks
 from ._torch_internals import top_hooks as _top_hooks
 from ._torch_internals import version as version_of
 
-__all__ = ["ForwardHook", "NeedsGraph", "keep_nothing", "hooks_aside", "random_in_vmap", "connect_side_outputs", "check_unsure",
+__all__ = ["ForwardHook", "NeedsGraph", "keep_nothing", "hooks_aside", "random_in_vmap", "draws_in_vmap", "connect_side_outputs", "check_unsure",
            "check_lazy_outputs", "distinct_inputs", "out_meta", "saved_inputs", "checked_outputs",
            "replace_at", "undo_forward", "plan_rerun", "deep_enough"]
 
@@ -148,6 +148,19 @@ def random_in_vmap(name: str):
             "(remat_fn.random.dropout(key, x, p), remat_fn.random.normal(key, ...)), which "
             "recompute without any generator, or use jacfwd(..., randomness='same'/'different')."
         ) from None
+
+
+def draws_in_vmap(spec, tape, batched: bool = False) -> bool:
+    """A random op drew inside a ``vmap`` around the region (asked in the forward): the
+    tape may hold batched draws, which no replay hands to backward's vmap.  Under
+    ``randomness='different'`` they are batched even where no input of the region is
+    (``w * torch.rand(4)``, ``w`` not vmapped), and the forward level's graph cannot serve
+    either: its saved tensors come back from the tape below every transform, the batch
+    dimension a plain one, so ``cot * rand`` mixed every example's draw into each example's
+    gradient.  There backward re-runs the function, each draw from its recorded state
+    (inside ``jacrev``'s vmap, whose randomness mode is "error", that is refused with a
+    RematError naming the fix: see random_in_vmap).  ``batched``: only where they are batched."""
+    return spec.vmapped and any(n.rng is not None for n in tape.nodes) and (not batched or draws_batched())
 
 
 def connect_side_outputs(spec, side) -> None:

@@ -20,6 +20,7 @@ __all__ = [
     "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead",
     "forward_mode_active", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
     "requires_grad_anywhere", "is_vmap_kind", "vmap_sizes", "differentiated_outside_vmaps",
+    "draws_batched",
 ]
 
 C = functorch  # the C++ functorch bindings (checked in remat_fn._torch_internals)
@@ -124,6 +125,13 @@ def is_vmap_kind(kind) -> bool:
 def vmap_sizes() -> list[tuple[int, int]]:
     """``(level, batch size)`` of each active ``vmap`` level, outermost first."""
     return [(i.level(), C.CVmapInterpreterPtr(i).batchSize()) for i in transform_stack() if is_vmap_kind(i.key())]
+
+
+def draws_batched() -> bool:
+    """True where an active ``vmap`` batches random draws (``randomness='different'``): a
+    draw there is batched even where nothing it reads is."""
+    return any(is_vmap_kind(i.key()) and C.CVmapInterpreterPtr(i).randomness() == C.RandomnessType.Different
+               for i in transform_stack())
 
 
 def differentiated_outside_vmaps(levels: dict, eager: bool) -> list[bool]:

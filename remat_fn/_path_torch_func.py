@@ -67,6 +67,7 @@ from ._func_semantics import (
     connect_side_outputs,
     deep_enough,
     distinct_inputs,
+    draws_in_vmap,
     hooks_aside,
     keep_nothing,
     out_meta,
@@ -288,8 +289,7 @@ class _RematFunction(torch.autograd.Function):
                 refs = [weakref.ref(t) for _, t in spec.escaped]
                 spec.escaped = []
                 o = o + tuple(r() for r in refs)
-                # (see remat_fn._replay_live; under a vmap the tape may hold batched draws)
-                if (frame is not None or spec.replay) and not (spec.vmapped and any(n.rng is not None for n in tape.nodes)):
+                if (frame is not None or spec.replay) and not draws_in_vmap(spec, tape):  # (see remat_fn._replay_live)
                     spec.out_values = [output_value(tape, t) for t in o]
                     roots = [t.grad_fn for t in o if isinstance(t, torch.Tensor) and t.grad_fn is not None]
                     if frame is not None:  # (checked if a replay is asked for: the graph is kept anyway)
@@ -319,8 +319,8 @@ class _RematFunction(torch.autograd.Function):
             spec.written = tape.pre_write
             tape.written_storages = []  # (only a retry of this forward puts them back)
             rebuild, mask, saved, pos, refs = box.pop()
-            if refs:  # side outputs are swapped into the caller's objects, which that graph
-                spec.graph = None  # holds as its outputs: backward re-runs the function
+            if refs or draws_in_vmap(spec, tape, batched=True):  # side outputs are swapped into the caller's objects, which that
+                spec.graph = None  # graph holds as its outputs (batched draws: see draws_in_vmap): backward re-runs
             if spec.graph is not None:
                 douts = release_outputs(douts)
             diff, other = iter(douts), iter(aux)

@@ -342,3 +342,89 @@ def test_forward_builds_no_wrapper_per_call(monkeypatch):
         assert ref() is None
     finally:
         gc.enable()
+
+
+# remat_module nested (the outer module and each BatchNorm block wrapped) under grad of grad, the
+# buffers cloned per step inside the differentiated function and given to functional_call (bug 8).
+# The clones are wrapped at both grad levels, which the outer region's Function sets aside: its
+# ops read them as the plain tensors below (CaptureMode), but a block nested in its forward got the
+# wrapped clones (no torch function hands a region call its arguments), counted them as needing a
+# gradient (a level set aside is no live grad level) and made them inputs its own vjp level
+# differentiates: native_batch_norm refused a running_mean that requires grad.  Wrapping only the
+# outer module or only the blocks was exact.
+
+
+class _BNBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+
+    def forward(self, h):
+        return torch.tanh(self.bn(self.lin(h))) + h
+
+
+class _BNNet(torch.nn.Module):
+    def __init__(self, foreign=False):
+        super().__init__()
+        self.b1, self.b2, self.bn = _BNBlock(), _BNBlock(), torch.nn.BatchNorm1d(4)
+        self.foreign = foreign
+
+    def forward(self, h):
+        out = self.bn(self.b2(self.b1(h)))
+        return _Square.apply(out) if self.foreign else out.sin()
+
+
+class _Square(torch.autograd.Function):  # (inside the outer region: its backward re-runs the function)
+    @staticmethod
+    def forward(x):
+        return x * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * ctx.saved_tensors[0] * g
+
+
+def _bn_second_order(net, how, params, bufs, x):
+    steps = []
+
+    def loss(p, xx):
+        b = {k: v.clone() for k, v in bufs.items()}  # (per step, inside the differentiated function)
+        steps.append(b)
+        return functional_call(net, {**p, **b}, (xx,)).pow(2).sum()
+
+    if how == "grad_of_grad":
+        out = grad(lambda xx: grad(lambda xx: loss(params, xx))(xx).pow(2).sum())(x)
+    elif how == "grad_of_grad_params":
+        out = grad(lambda p: sum(g.pow(2).sum() for g in grad(lambda p: loss(p, x))(p).values()))(params)
+    elif how == "vjp_of_grad":
+        _, fn = vjp(lambda xx: grad(lambda xx: loss(params, xx))(xx), x)
+        out = fn(torch.ones_like(x))[0]
+    elif how == "jacrev_of_grad":
+        out = torch.func.jacrev(lambda xx: grad(lambda xx: loss(params, xx))(xx))(x)
+    else:  # eager autograd around grad
+        xs = x.clone().requires_grad_()
+        grad(lambda xx: loss(params, xx))(xs).pow(2).sum().backward()
+        out = xs.grad
+    return out, steps[-1]
+
+
+@pytest.mark.parametrize("how", ["grad_of_grad", "grad_of_grad_params", "vjp_of_grad", "jacrev_of_grad", "eager_of_grad"])
+@pytest.mark.parametrize("wrapped", ["outer_and_blocks", "outer_and_blocks_dots_saveable", "outer_rerun_and_blocks"])
+def test_nested_remat_module_batchnorm_buffers_cloned_per_step_second_order(wrapped, how):
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    base = _BNNet(foreign=wrapped == "outer_rerun_and_blocks").double()
+    params = {k: v.detach() for k, v in base.named_parameters()}
+    bufs = {k: v.detach() for k, v in base.named_buffers()}
+    net = copy.deepcopy(base)
+    policy = policies.dots_saveable if wrapped.endswith("dots_saveable") else None
+    net.b1, net.b2 = remat_module(net.b1, policy=policy), remat_module(net.b2, policy=policy)
+    net = remat_module(net, policy=policy)
+    ref = _bn_second_order(copy.deepcopy(base), how, params, bufs, x)
+    got = _bn_second_order(net, how, params, bufs, x)
+    assert_tree_close(got, ref, rtol=1e-9, atol=1e-9)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.func import grad, vmap
 
-from remat_fn import remat
+from remat_fn import RematError, remat
 from remat_fn._rng_state import RNGSnapshot
 from remat_fn.policies import dots_saveable, everything_saveable, memory_budget
 
@@ -218,7 +218,82 @@ def test_nested_region_draws_with_policies(policy, how):
 
 def test_nested_region_draws_under_jacrev():
     _check_nested(_r1_plus_10_r2, 2, True, "jacrev")
-    # three levels: the middle region replays its recorded draws (it ran again inside jacrev's
-    # vmap, where torch forbids drawing, and was refused, until nested regions replayed as regions)
+    # three levels: refused with a RematError until the nested spans replayed as regions of their own
+    # (the middle region ran again inside jacrev's vmap, where torch forbids drawing); now exact
     _check_nested(_r1_plus_10_r2, 3, False, "jacrev")
     _check_nested(_r1_plus_10_r2, 3, True, "jacrev")
+    _check_nested(_dropout_and_rand_like, 4, True, "jacrev")
+
+
+# A region whose inputs are not vmapped, drawing inside vmap(randomness="different") (bug 8): the
+# draw, and so the region's output, is batched all the same.  Backward differentiated the forward
+# level's graph, whose saved draw came back from the tape below every transform, the batch
+# dimension a plain one, so each example's gradient read every example's draw (w's gradient off
+# by 0.5 to 20).  It now re-runs the region, each draw from its recorded state.  Compared with
+# the plain function (same seed).
+
+_W_RANDOM = {
+    "w_times_rand": lambda w: w * torch.rand(4, dtype=_D),
+    "w_times_randn": lambda w: w * torch.randn(4, dtype=_D),
+    "w_times_rand_like": lambda w: w * torch.rand_like(w),
+    "dropout": lambda w: torch.nn.functional.dropout(w, 0.5, training=True),
+    "bernoulli": lambda w: w * torch.bernoulli(torch.full((4,), 0.5, dtype=_D)),
+    "sin_of_product": lambda w: (w * torch.rand(4, dtype=_D)).sin(),
+    "two_outputs": lambda w: (w * torch.rand(4, dtype=_D), w.sin() * torch.randn(4, dtype=_D)),
+}
+
+
+def _unbatched_region_grad(wrap, body, how, randomness):
+    x = torch.randn(3, 4, dtype=_D, generator=torch.Generator().manual_seed(0))
+    w = torch.randn(4, dtype=_D, generator=torch.Generator().manual_seed(1))
+    f = wrap(body)
+
+    def loss(w):
+        out = vmap(lambda x: f(w), randomness=randomness)(x)
+        return sum(o.pow(2).sum() for o in (out if isinstance(out, tuple) else (out,)))
+
+    torch.manual_seed(0)
+    if how == "grad":
+        return grad(loss)(w)
+    if how == "vjp":
+        out, vjp_fn = torch.func.vjp(loss, w)
+        return vjp_fn(torch.ones_like(out))[0]
+    if how == "jacrev":
+        return torch.func.jacrev(loss)(w)
+    if how == "twice":
+        return grad(lambda w: loss(w) + loss(w))(w)
+    ws = w.clone().requires_grad_()
+    loss(ws).backward()
+    return ws.grad
+
+
+@pytest.mark.parametrize("randomness", ["different", "same"])
+@pytest.mark.parametrize("how", ["grad", "vjp", "eager", "twice"])
+@pytest.mark.parametrize("body", sorted(_W_RANDOM))
+def test_unbatched_region_drawing_under_vmap_randomness(body, how, randomness):
+    ref = _unbatched_region_grad(lambda f: f, _W_RANDOM[body], how, randomness)
+    for policy in (None, dots_saveable, memory_budget(0.5)):
+        got = _unbatched_region_grad(lambda f: remat(f, policy=policy), _W_RANDOM[body], how, randomness)
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+
+
+def test_unbatched_region_drawing_under_jacrev_of_vmap_randomness():
+    body = _W_RANDOM["w_times_rand"]
+    ref = _unbatched_region_grad(lambda f: f, body, "jacrev", "same")  # (unbatched draws: exact)
+    torch.testing.assert_close(_unbatched_region_grad(remat, body, "jacrev", "same"), ref, rtol=0, atol=1e-12)
+    # batched draws: the region runs again inside jacrev's vmap, where torch forbids drawing (was silently wrong)
+    with pytest.raises(RematError, match="Fix: draw with explicit keys"):
+        _unbatched_region_grad(remat, body, "jacrev", "different")
+
+
+def test_unbatched_region_drawing_nested_under_vmap_randomness():
+    x = torch.randn(3, 4, dtype=_D, generator=torch.Generator().manual_seed(0))
+    w = torch.randn(4, dtype=_D, generator=torch.Generator().manual_seed(1))
+    body = _W_RANDOM["sin_of_product"]
+    outs = []
+    for wrap in (lambda f: f, remat):
+        inner = wrap(body)
+        outer = wrap(lambda v: inner(v * 2).cos())
+        torch.manual_seed(0)
+        outs.append(grad(lambda w: vmap(lambda x: outer(w) * x, randomness="different")(x).pow(2).sum())(w))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-12)
