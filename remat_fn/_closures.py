@@ -91,11 +91,16 @@ class Reachable:
                     "update (e.g. optimizer.step()) after the backward pass."
                 )
 
-    def captured(self, exclude: set[int]) -> list[torch.Tensor]:
+    def captured(self, exclude: set[int], substitute=None) -> list[torch.Tensor]:
         """The reachable tensors that need a gradient, or are batched by an active ``vmap`` (its
         level is set aside inside the region's Function, whose vmap rule handles its inputs),
-        and are not in ``exclude``."""
-        return [t for i, t in self.tensors.items() if i not in exclude and (needs_grad(t) or any_batched(t))]
+        and are not in ``exclude``.  ``substitute(tensors)``: the tensors as enclosing regions'
+        ops see them, whose replacement may need a gradient where the tensor itself does not
+        (a weight wrapped at a vjp level that is gone, replaced by an enclosing region's re-run)."""
+        def live(t):
+            return needs_grad(t) or any_batched(t)
+        return [t for i, t in self.tensors.items()
+                if i not in exclude and (live(t) or (substitute is not None and live(substitute([t])[0])))]
 
     def relocated(self, replace: dict | None = None):
         """Context manager putting every tensor back where it was found (or, for the

@@ -530,7 +530,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     given, expand = distinct_inputs(call.inputs)
     name, debug = call.name, call.debug
     reach = reachable_tensors(call.reach_roots())
-    captured = reach.captured({id(t) for t in given})
+    captured = reach.captured({id(t) for t in given}, substituted)
     inputs = substituted(given)  # (a tensor an enclosing region closes over: as its ops see it)
     policy = call.policy("func", [*inputs, *captured])
     if type(policy) is Measuring:  # memory_budget's first call: activation inputs count

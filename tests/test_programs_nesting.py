@@ -255,3 +255,49 @@ def test_region_output_written_through_a_view(transform, levels):
         return wrap(lambda h: f(h) * h) if levels == 2 else f
 
     _against_plain(build, transform)
+
+
+class _Identity(torch.autograd.Function):  # (a custom Function makes the region around it run again)
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev"])
+@pytest.mark.parametrize("middle", ["replayed", "custom_function", "debug"])
+def test_weight_closed_over_by_the_innermost_of_three_regions(middle, transform):
+    # the innermost region closes over a; under vjp its wrapper's level is gone when the middle
+    # region, run again (a custom Function inside, debug=True), calls it: a was not threaded
+    # through it, as needing no gradient, though the middle region's replacement does (0 gradient)
+    g = torch.Generator().manual_seed(0)
+    x, a = torch.randn(4, dtype=D, generator=g) / 2, torch.randn(4, dtype=D, generator=g) / 2
+
+    def make(wrap):
+        def f(x, a):
+            inner = wrap(lambda h: torch.tanh(h * a))
+            body = (lambda h: _Identity.apply(inner(h)).sin()) if middle == "custom_function" else (lambda h: inner(h).sin())
+            mid = remat(body, debug=True) if middle == "debug" and wrap is remat else wrap(body)
+            return wrap(lambda x: mid(x))(x)
+        return f
+
+    def run(wrap):
+        f = make(wrap)
+        if transform == "vjp":
+            out, fn = vjp(f, x, a)
+            return fn(torch.ones_like(out))
+        if transform == "jacrev":
+            return jacrev(f, argnums=(0, 1))(x, a)
+        return grad(lambda x, a: f(x, a).sum(), argnums=(0, 1))(x, a)
+
+    for got, want in zip(run(remat), run(_ident)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
