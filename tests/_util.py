@@ -69,3 +69,25 @@ def recursive_checkpoint(funs, wrap):
     f1 = recursive_checkpoint(funs[: len(funs) // 2], wrap)
     f2 = recursive_checkpoint(funs[len(funs) // 2:], wrap)
     return lambda x: f1(wrap(f2)(x))
+
+
+class STE(torch.autograd.Function):
+    """A straight-through estimator: its backward and jvp are not its forward's derivative."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x.round()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t

@@ -12,11 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat_fn import remat
 
-from ._util import recursive_checkpoint
+from ._util import STE, OpCount, recursive_checkpoint
 
 D = torch.float64
 
@@ -463,51 +462,20 @@ def test_remat_recursive_checkpoint_recompute_counts_under_vjp():
         evals[0] += 1
         return x + 1
 
-    class CountAdds(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += func is torch.ops.aten.add.Tensor
-            return func(*args, **(kwargs or {}))
-
     for n, jax_bwd_evals in [(4, 2), (8, 8), (16, 24)]:
         f = recursive_checkpoint([add_one] * n, remat)
         evals[0] = 0
         out, f_vjp = vjp(f, torch.ones((), dtype=D))
         assert evals[0] == n
         evals[0] = 0
-        with CountAdds() as func_adds:
+        with OpCount() as func_adds:
             (g,) = f_vjp(torch.ones((), dtype=D))
         assert evals[0] == 0, (n, evals[0])
         assert g.item() == 1.0 and out.item() == 1.0 + n
-        assert func_adds.n <= jax_bwd_evals, (n, func_adds.n)
+        assert func_adds.n.get("add", 0) <= jax_bwd_evals, (n, func_adds.n)
 
 
 # -- what the recorded forward cannot stand for: the function runs again, exact -------------------
-class _STE(torch.autograd.Function):
-    """A straight-through estimator: its backward and jvp are not its forward's derivative."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return x.round()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
-
-    @staticmethod
-    def jvp(ctx, t):
-        return t
-
-
 def _data_read(x):
     return (x.data * x).sum()
 
@@ -518,7 +486,7 @@ def _data_write(x):
     return y.sum()
 
 
-@pytest.mark.parametrize("fn", [lambda x: (_STE.apply(x * 3) * x).sum(), _data_read, _data_write],
+@pytest.mark.parametrize("fn", [lambda x: (STE.apply(x * 3) * x).sum(), _data_read, _data_write],
                          ids=["custom_function", "data_read", "data_write"])
 @pytest.mark.parametrize("transform", ["hessian", "jvp", "grad_of_grad", "eager_around_grad"])
 def test_regions_the_replay_cannot_stand_for(fn, transform):

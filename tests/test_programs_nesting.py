@@ -23,6 +23,8 @@ from torch.func import grad, hessian, jacrev, jvp, vjp
 
 from remat_fn import remat
 
+from ._util import STE
+
 D = torch.float64
 TRANSFORMS = ["grad", "vjp", "jacrev", "grad_of_grad", "hessian", "jvp_of_grad", "jacrev_of_grad"]
 
@@ -257,22 +259,6 @@ def test_region_output_written_through_a_view(transform, levels):
     _against_plain(build, transform)
 
 
-class _Identity(torch.autograd.Function):  # (a custom Function makes the region around it run again)
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
-
-
 @pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev"])
 @pytest.mark.parametrize("middle", ["replayed", "custom_function", "debug"])
 def test_weight_closed_over_by_the_innermost_of_three_regions(middle, transform):
@@ -285,7 +271,7 @@ def test_weight_closed_over_by_the_innermost_of_three_regions(middle, transform)
     def make(wrap):
         def f(x, a):
             inner = wrap(lambda h: torch.tanh(h * a))
-            body = (lambda h: _Identity.apply(inner(h)).sin()) if middle == "custom_function" else (lambda h: inner(h).sin())
+            body = (lambda h: STE.apply(inner(h)).sin()) if middle == "custom_function" else (lambda h: inner(h).sin())
             mid = remat(body, debug=True) if middle == "debug" and wrap is remat else wrap(body)
             return wrap(lambda x: mid(x))(x)
         return f
