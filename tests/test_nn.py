@@ -376,6 +376,9 @@ class _BNNet(torch.nn.Module):
 
 
 class _Square(torch.autograd.Function):  # (inside the outer region: its backward re-runs the function)
+    # (the re-run runs under jacrev's vmap: on torch 2.15 a Function there needs a vmap rule)
+    generate_vmap_rule = True
+
     @staticmethod
     def forward(x):
         return x * x
