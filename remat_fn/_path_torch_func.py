@@ -501,11 +501,12 @@ def _rerun_vjp(spec: _RegionState, tensors, wrt, out_diff, detach: bool, cot, st
         with spec.rng or _NULL, saving(spec.rec, recompute=True, tape=tape, plan=plan), random_in_vmap(spec.name):
             return torch.func.vjp(f, *[tensors[i] for i in wrt])[1]
 
-    with torch.no_grad() if detach else _NULL, spec.autocast:
-        try:
-            vjp_fn = rerun(spec.tape, plan)
-        except Diverged:  # (after placeholders: again, computing everything)
-            vjp_fn = rerun(None, None)
+    with torch.no_grad() if detach else _NULL:
+        with spec.autocast:  # (the forward's autocast for the forward again; its backward, as autograd's, without)
+            try:
+                vjp_fn = rerun(spec.tape, plan)
+            except Diverged:  # (after placeholders: again, computing everything)
+                vjp_fn = rerun(None, None)
         if spec.prof is not None:
             spec.prof.record_recompute(spec.name, time.perf_counter() - start)
         return vjp_fn(cot)

@@ -177,3 +177,41 @@ def test_torch_func_grad_inside_a_region_differentiated_again(dtype):
     xe = x.clone().requires_grad_()
     (ge,) = torch.autograd.grad(remat(inner)(xe).pow(2).sum(), xe)
     assert_tree_close(ge, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["vmap_grad", "vmap_vjp", "grad_vmap", "vmap_hessian", "eager_vmap", "grad"])
+def test_autocast_disabled_inside_a_region_under_vmap(how):
+    # the region turns bf16 autocast off inside; under vmap backward runs the function again
+    # under the forward's autocast: its own backward (vjp_fn) ran under it too, recomputing the
+    # matmul's gradient in bf16 (1.3e-2 off), where autograd's backward runs without autocast
+    from torch.func import hessian, vjp
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(8, 8, generator=g), torch.randn(4, 8, generator=g)
+
+    def f(x, w):
+        with torch.autocast("cpu", enabled=False):
+            return (x @ w).sin().sum()
+
+    def loss(fn):
+        def step(w, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return fn(x, w)
+        return step
+
+    def run(fn):
+        if how == "vmap_grad":
+            return vmap(grad(loss(fn)), in_dims=(None, 0))(w, x)
+        if how == "vmap_vjp":
+            return vmap(lambda xi: vjp(lambda w: loss(fn)(w, xi), w)[1](torch.tensor(1.0))[0])(x)
+        if how == "grad_vmap":
+            return grad(lambda w: vmap(loss(fn), in_dims=(None, 0))(w, x).sum())(w)
+        if how == "vmap_hessian":
+            return vmap(hessian(loss(fn)), in_dims=(None, 0))(w, x[:2])
+        if how == "grad":
+            return grad(loss(fn))(w, x[0])
+        ww = w.clone().requires_grad_()
+        vmap(loss(fn), in_dims=(None, 0))(ww, x).sum().backward()
+        return ww.grad
+
+    torch.testing.assert_close(run(remat(f)), run(f), rtol=0, atol=0)
