@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from remat_fn import remat
@@ -184,3 +185,24 @@ def test_composes_with_save_on_cpu():
     x.grad = None
     torch.tanh(x @ x).sin().sum().backward()
     assert torch.equal(g, x.grad)
+
+
+@pytest.mark.parametrize("wrap", ["remat", "compat"])
+def test_debug_with_create_graph_double_backward(wrap):
+    # debug=True compares the re-run's op sequence with the forward's: under create_graph autograd
+    # adds detaches to the re-run, which change no value (a false RecomputeMismatchError before)
+    import remat_fn
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 4, dtype=torch.float64, generator=g).requires_grad_()
+    f = lambda x: torch.tanh(x @ w)  # noqa: E731
+
+    def run(call):
+        x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        loss = (call(x) ** 2).sum()
+        gs = torch.autograd.grad(loss, (x, w), create_graph=True)
+        return torch.autograd.grad(sum((t ** 2).sum() for t in gs), (x, w))
+
+    call = remat_fn.remat(f, debug=True) if wrap == "remat" else (lambda x: remat_fn.compat.checkpoint(f, x, debug=True))
+    for a, b in zip(run(call), run(f)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
