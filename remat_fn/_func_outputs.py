@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from ._func_graph import alias_output
-from ._functorch import C, storage_ptr, unwrap_all, vmap_sizes
+from ._functorch import C, storage_ptr, unwrap_all, vmap_levels, vmap_sizes
 from ._torch_internals import is_view
 
 __all__ = ["alias_map", "rebuild", "returned", "batched_outputs"]
@@ -183,7 +183,7 @@ def batched_outputs(outs: tuple, tensors, diff, widen: list[bool], views: dict[i
     stack = vmap_sizes()
     if len(stack) != len(widen):  # (not expected: each vmap level runs the generated rule)
         widen = [any(widen)] * len(stack)
-    batched = {level for t in (*tensors, *outs) if isinstance(t, torch.Tensor) for level in _vmap_levels(t)}
+    batched = {level for t in (*tensors, *outs) if isinstance(t, torch.Tensor) for level in vmap_levels(t)}
     levels = [(level, size, w and level in batched) for (level, size), w in zip(stack, widen)]
     out, changed = [], set()
     for i, (o, d) in enumerate(zip(outs, diff)):
@@ -194,15 +194,6 @@ def batched_outputs(outs: tuple, tensors, diff, widen: list[bool], views: dict[i
     for i in [i for i, (kind, j, *_) in views.items() if kind == "out" and (i in changed or j in changed)]:
         del views[i]
     return tuple(out)
-
-
-def _vmap_levels(t: torch.Tensor) -> list[int]:
-    out = []
-    while C.is_functorch_wrapped_tensor(t):
-        if C.is_batchedtensor(t):
-            out.append(C.maybe_get_level(t))
-        t = C.get_unwrapped(t)
-    return out
 
 
 def _batched_at(t: torch.Tensor, levels: list) -> torch.Tensor:

@@ -19,7 +19,7 @@ __all__ = [
     "unwrap_all",
     "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead",
     "forward_mode_active", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
-    "requires_grad_anywhere", "is_vmap_kind", "vmap_sizes", "differentiated_outside_vmaps",
+    "requires_grad_anywhere", "is_vmap_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
     "draws_batched",
 ]
 
@@ -96,6 +96,16 @@ def any_batched(t: torch.Tensor) -> bool:
             return True
         t = C.get_unwrapped(t)
     return False
+
+
+def vmap_levels(t: torch.Tensor) -> list[int]:
+    """The levels of the ``vmap`` wrappers around ``t``, outermost first."""
+    out = []
+    while C.is_functorch_wrapped_tensor(t):
+        if C.is_batchedtensor(t):
+            out.append(C.maybe_get_level(t))
+        t = C.get_unwrapped(t)
+    return out
 
 
 def grad_wrappers(t: torch.Tensor) -> tuple[list[tuple[int, bool]], torch.Tensor]:

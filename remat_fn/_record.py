@@ -531,8 +531,8 @@ class SaveMode(TorchDispatchMode):
             rec.seq.append(func)
             if tape is not None:
                 rec.seq_nodes.append(len(tape.nodes))
-            if schema(func).is_mutable and func.overloadpacket not in METADATA_ONLY:
-                rec.before_mutation(func, args, kwargs)
+            if rec.policy is not None and schema(func).is_mutable and func.overloadpacket not in METADATA_ONLY:
+                rec.before_mutation(func, args, kwargs)  # (no policy: nothing kept, nothing named)
         out = func(*args, **kwargs) if node is None or node.rng is None else draw(node, func, args, kwargs)
         if node is not None:
             tape.after(node, out, args, kwargs)

@@ -175,7 +175,7 @@ def _written_from_before(tape, sub, start: int) -> bool:
     return False
 
 
-def _steps(tape, run, top: set, roots, region, make_call) -> list:
+def _steps(tape, run, top: set, roots, make_call) -> list:
     """``run`` as the replay's steps: each region nested in the replayed one whose nodes
     depend on the inputs becomes one :class:`_Span` (``make_call(sub, steps, inputs,
     outputs, opts, name)``: the function that runs it), the rest node by node.  Replayed
@@ -296,7 +296,7 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None, region=No
         return lambda *tensors: region(span, span_name, opts, tensors)
 
     end = len(nodes)
-    steps = _steps(tape, run, top, roots, region, make_call) if region is not None and tape.spans and run else None
+    steps = _steps(tape, run, top, roots, make_call) if region is not None and tape.spans and run else None
     with no_autocast(), reenter(tape.modes), rec.replaying() if entries else _NULL:
         got = tape.run_nodes(run, [(v, end) for v in roots], get, env, writes, runner, steps) if run else [get(v) for v in roots]
     it = iter(got)

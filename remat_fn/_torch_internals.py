@@ -97,7 +97,7 @@ set_version_counter = _attr(_A, "torch._C._autograd", "_unsafe_set_version_count
 functorch = torch._C._functorch
 for _name in ("is_functorch_wrapped_tensor", "get_unwrapped", "unwrap_if_dead", "get_interpreter_stack",
               "is_gradtrackingtensor", "maybe_get_level", "is_dead_tensor_wrapper", "TransformType",
-              "CVmapInterpreterPtr", "RandomnessType"):
+              "CVmapInterpreterPtr", "RandomnessType", "is_batchedtensor", "maybe_get_bdim", "_add_batch_dim"):
     _attr(functorch, "torch._C._functorch", _name)
 functorch_active = _attr(torch._C, "torch._C", "_are_functorch_transforms_active")
 
