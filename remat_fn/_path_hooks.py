@@ -454,13 +454,14 @@ def run_with_hooks(call: RegionCall) -> Any:
         # backward replays the recorded ops (random ones from the generator states
         # recorded with them): no snapshot of the whole region needed, and the tape
         # tells which inputs the region wrote
-        frame.tape = Tape()
+        frame.tape = undo = Tape(copies=True)
         snap = None
         in_versions = []
     else:
         in_versions = [(x, version_of(x)) for x in tensors]
         snap = RNGSnapshot(call.rng_devices(tensors)) if preserve_rng_state else None
         frame.autocast = AutocastState()
+        undo = Tape(copies=True)  # (what the forward wrote into tensors from outside, see below)
     frame.rng = snap  # provisional: a backward inside the forward may recompute
     policy = call.policy("eager", tensors)
     if type(policy) is Measuring:  # memory_budget's first call: activation inputs count
@@ -471,7 +472,7 @@ def run_with_hooks(call: RegionCall) -> Any:
         frame.rec.on_input = named_inputs(tensors, frame.offload_ids)  # (named inside the region)
     _push_hooks(frame.pack, frame.unpack)
     try:
-        with saving(frame.rec, recompute=False, tape=frame.tape):
+        with saving(frame.rec, recompute=False, tape=undo):
             if debug:
                 with OpTrace() as tr:
                     out = fun(*args, **kwargs)
@@ -482,17 +483,20 @@ def run_with_hooks(call: RegionCall) -> Any:
         if _HOOKS_REFUSED not in str(e):
             raise
         # The function runs a torch.func transform, which refuses saved-tensor
-        # hooks: the caller reruns the region on the hook-free path.
+        # hooks: the caller reruns the region on the hook-free path, from the
+        # generator states and buffers (BatchNorm's statistics) before this try.
         if snap is not None:
             snap.restore_now()
-        elif frame.tape is not None:
-            frame.tape.restore_rng()
+        else:
+            undo.restore_rng()
+        undo.undo_writes()
         raise NeedsTorchFuncPath() from None
     finally:
         _pop_hooks()
         frame.in_forward = False
         frame.rng = None
         frame.recomputed.clear()
+    undo.written_storages, undo.pre_write = [], {}  # (only a try that failed puts them back)
     if frame.rec is not None:
         frame.rec.hint_outputs(optree.tree_leaves(out))
     if frame.nhandles and frame.tape is not None:

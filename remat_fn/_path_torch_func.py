@@ -528,6 +528,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     ``calls_torch_func``: the function is known to call a ``torch.func``
     transform itself (see :func:`keep_nothing`)."""
     deep_enough(region_depth())
+    calls_torch_func = calls_torch_func or call.calls_torch_func
     given, expand = distinct_inputs(call.inputs)
     name, debug = call.name, call.debug
     reach = reachable_tensors(call.reach_roots())
@@ -596,6 +597,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         except NeedsGraph:
             undo_forward(spec, snap)
             keep_graph = True
+            call.note_torch_func()  # (its later calls keep the graph from the start)
             continue
         except MissedCapture as e:
             undo_forward(spec, snap)

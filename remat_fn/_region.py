@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +36,9 @@ from .policies import memory_budget, normalize_policy
 __all__ = ["Options", "RegionCall", "entered", "region_depth", "name_of"]
 
 _accelerator: list[bool] = []
+# region functions (the very objects) that called a torch.func transform, which refuses the
+# hooks path's saved-tensor hooks: their later calls start on the torch.func path
+_CALLS_TORCH_FUNC: weakref.WeakSet = weakref.WeakSet()
 
 
 def _has_accelerator() -> bool:
@@ -151,6 +155,23 @@ class RegionCall:
         if self._checks is None:
             self._checks = checks(self.opts.debug)
         return self._checks[1]
+
+    @property
+    def calls_torch_func(self) -> bool:
+        """The function called a ``torch.func`` transform before (see :meth:`note_torch_func`)."""
+        try:
+            return self.fun in _CALLS_TORCH_FUNC
+        except TypeError:  # (an object weak references cannot reach)
+            return False
+
+    def note_torch_func(self) -> None:
+        """The function calls a ``torch.func`` transform: its later calls skip the try on the
+        saved-tensor-hooks path (its Python would run twice per forward).  Only the same
+        object: a lambda made per call, or a bound method, is tried each time."""
+        try:
+            _CALLS_TORCH_FUNC.add(self.fun)
+        except TypeError:
+            pass
 
     # -- arguments -----------------------------------------------------------
     def check_argnums(self) -> None:

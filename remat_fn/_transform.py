@@ -322,11 +322,15 @@ def run_region(call: RegionCall) -> Any:
             # saved-tensor hooks are switched off (e.g. by a failed torch.compile);
             # the autograd.Function path needs none.
             return run_torch_func(call)
+        if call.calls_torch_func:
+            return run_torch_func(call, calls_torch_func=True)
         outer = call.opts.outer_hooks(call) if call.opts.outer_hooks is not None else None
         try:
             return _under(outer, run_with_hooks, call)
         except NeedsTorchFuncPath:
-            # fun calls torch.func.grad/vjp/...: the autograd.Function path needs no hooks
+            # fun calls torch.func.grad/vjp/...: the autograd.Function path needs no hooks (the
+            # try's writes into tensors from outside were put back, see run_with_hooks)
+            call.note_torch_func()
             return run_torch_func(call, calls_torch_func=True)
 
 

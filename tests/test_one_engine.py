@@ -438,6 +438,78 @@ def test_region_calling_torch_func_itself():
     assert n == 2
 
 
+@pytest.mark.parametrize("debug", [False, True])
+def test_region_calling_torch_func_itself_updates_running_statistics_once(debug):
+    """The eager try stops at the function's torch.func call (which refuses saved-tensor
+    hooks): what it wrote into tensors from outside (BatchNorm's statistics, updated before
+    that call) is put back before the torch.func path runs the function, so they are
+    updated once, as in plain code (twice until this: num_batches_tracked 2, running_mean
+    1.5x plain's).  The same function object then starts on the torch.func path: its
+    Python runs once per forward from its second call on."""
+    W = torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(9))
+
+    def run(wrap):
+        torch.manual_seed(0)
+        bn = torch.nn.BatchNorm1d(4, dtype=D, momentum=0.5)
+        calls = []
+
+        def f(x):
+            calls.append(1)
+            h = bn(x)
+            g = torch.func.grad(lambda y: (y @ W).sin().sum())(h)
+            return (g * h).sum(-1)
+
+        region = wrap(f)
+        got = []
+        for step in range(2):
+            x = torch.randn(6, 4, dtype=D, generator=torch.Generator().manual_seed(step)).requires_grad_()
+            out = region(x)
+            n = len(calls)
+            out.sum().backward()
+            calls.clear()
+            got.append((x.grad, bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone(), n))
+        return got
+
+    plain, got = run(ident), run(functools.partial(remat, debug=debug))
+    for step, (p, r) in enumerate(zip(plain, got)):
+        _close(r[:3], p[:3])
+        assert torch.equal(r[3], p[3]), f"step {step}: num_batches_tracked {r[3]}, plain {p[3]}"
+    # forward calls: the first call's eager try and its torch.func path; then the torch.func path alone
+    assert [r[4] for r in got] == [2, 1]
+
+
+def test_region_calling_torch_func_under_grad_keeps_its_graph_from_the_second_call():
+    """Under grad, the forward's own vjp level refuses the function's torch.func call at
+    first (its hooks): the forward runs again keeping its graph; the same function object
+    then keeps the graph from its first try."""
+    W = torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(9))
+
+    def run(wrap):
+        calls = []
+
+        def f(w, x):
+            calls.append(1)
+            h = torch.tanh(x @ w)
+            g = torch.func.grad(lambda y: (y @ W).sin().sum())(h)
+            return (g * h).sum()
+
+        region = wrap(f)
+        got = []
+        for step in range(2):
+            x = torch.randn(6, 4, dtype=D, generator=torch.Generator().manual_seed(step))
+            got.append((grad(region)(W.clone(), x), len(calls)))
+            calls.clear()
+        return got
+
+    plain, got = run(ident), run(remat)
+    for p, r in zip(plain, got):
+        _close(r[0], p[0])
+    assert [r[1] for r in plain] == [1, 1]
+    # (the second call: its forward once and the re-run of backward, which a kept graph needs
+    # where the function calls torch.func; the first call's tries add two)
+    assert got[1][1] == 2 < got[0][1], [r[1] for r in got]
+
+
 # -- 13. jacrev of a random region returning a view of a tensor made inside ------------------------
 def test_jacrev_of_random_region_with_a_view_output():
     def run(wrap):
