@@ -15,12 +15,14 @@ is ever silently dropped.
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 from ._debug import CallTrace
 from ._describe import describe
@@ -272,7 +274,11 @@ class CaptureMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _DATA:
-            self.opaque = True
+            self.opaque = "autograd" if func in _AUTOGRAD else self.opaque or True
+            if func is _HOOK and self.known is None and not requires_grad_anywhere(args[0]):
+                # (a forward-mode recomputation, which differentiates nothing: the hook, on a
+                # tensor that required grad in the forward, has nothing to act on)
+                return RemovableHandle(_NO_HOOKS)
         given = args[0] if args else None  # (before _fix: a constant of a level set aside, unwrapped there)
         args = self._fix(args)
         kwargs = self._fix(kwargs) if kwargs else {}
@@ -307,7 +313,17 @@ class CaptureMode(TorchFunctionMode):
         return out
 
 
-_DATA = (torch.Tensor.data.__get__, torch.Tensor.data.__set__)
+# what the tape cannot replay (no op reaches the dispatcher, or none that says it): ``.data``
+# (an alias without autograd), a hook on a tensor (backward code, not an op), ``detach_``
+# (below autograd an out-of-place ``detach`` nothing reads), autograd called inside (its
+# backward's ops, recorded, are not the graph an outer level differentiates): where something outside
+# differentiates the region's backward, the function runs again instead (spec.foreign)
+_HOOK = torch.Tensor.register_hook
+_AUTOGRAD = frozenset({torch.autograd.grad, torch.autograd.backward})
+_NO_HOOKS: collections.OrderedDict = collections.OrderedDict()
+_DATA = frozenset({torch.Tensor.data.__get__, torch.Tensor.data.__set__, torch.Tensor.register_hook,
+                   torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.detach_,
+                   torch.autograd.grad, torch.autograd.backward})
 
 
 def _carry_grad(args, kwargs) -> bool:
@@ -358,7 +374,7 @@ _IN_PLACE_DUNDERS = frozenset({
     "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
     "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__",
 })
-_NOT_DATA = frozenset({"requires_grad_", "share_memory_", "retain_grad", "register_hook"})
+_NOT_DATA = frozenset({"requires_grad_", "share_memory_", "retain_grad", "register_hook", "detach_"})
 
 
 _IN_PLACE: dict[int, tuple[Any, bool]] = {}

@@ -88,13 +88,35 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _covers(base: torch.Tensor, t: torch.Tensor) -> bool:
+    """Every element of ``t`` is an element of ``base`` (``base.as_strided`` can make ``t``, and
+    a gradient through it reaches ``base``): inside its extent, where it has no holes, else
+    checked element by element (small tensors; a larger one with holes counts as not covering:
+    ``u[::2]`` does not cover ``u[:2]``)."""
+    if not _alike(base, t):
+        return False
     (a, b), (c, d) = _extent(base), _extent(t)
-    return a <= c and d <= b and _alike(base, t)
+    if not (a <= c and d <= b):
+        return False
+    if b - a + 1 == base.numel() and not overlaps(base):
+        return True
+    if base.numel() > 1 << 16:
+        return False
+    return bool(torch.isin(_positions(t), _positions(base)).all())
+
+
+def _positions(t: torch.Tensor) -> torch.Tensor:
+    """The storage elements of ``t``."""
+    pos = torch.tensor([t.storage_offset()])
+    for size, stride in zip(t.shape, t.stride()):
+        pos = (pos.unsqueeze(-1) + torch.arange(size) * stride).flatten()
+    return pos
 
 
 def _alike(base: torch.Tensor, t: torch.Tensor) -> bool:
-    """``t`` can be made as ``base.as_strided(...)``: same dtype and device, batched alike."""
-    return base.dtype == t.dtype and base.device == t.device and _batching(base) == _batching(t)
+    """``t`` can be made as ``base.as_strided(...)``: same dtype and device, batched alike, and
+    conjugated and negated alike (``z.conj()``, ``.mH``: a lazy bit as_strided does not carry)."""
+    return base.dtype == t.dtype and base.device == t.device and _batching(base) == _batching(t) \
+        and base.is_conj() == t.is_conj() and base.is_neg() == t.is_neg()
 
 
 def alias_map(outs, tensors, diff) -> dict[int, tuple]:
@@ -102,10 +124,10 @@ def alias_map(outs, tensors, diff) -> dict[int, tuple]:
     (``kind == "in"``) or of output ``j`` (``"out"``).  ``diff``: which outputs are
     differentiable (a view of another output is rebuilt only where both agree)."""
     found: dict[int, tuple] = {}
-    storages: dict[int, int] = {}
+    storages: dict[int, list[int]] = {}
     for j, t in enumerate(tensors):
         if _plain(t) and (p := storage_ptr(t)) is not None and not overlaps(t):
-            storages.setdefault(p, j)
+            storages.setdefault(p, []).append(j)
     ids = {id(t) for t in tensors}
     by_storage: dict[int, list[int]] = {}
     for i, o in enumerate(outs):
@@ -114,8 +136,10 @@ def alias_map(outs, tensors, diff) -> dict[int, tuple]:
         p = storage_ptr(o)
         if p is None:
             continue
-        j = storages.get(p)
-        if j is not None and _alike(tensors[j], o):
+        # (the input it is a view of: one that covers it, not the first on its storage: w[1] of
+        # arguments w[0], w[1] is no view of w[0], whose gradient it would take)
+        j = next((j for j in storages.get(p, ()) if _covers(tensors[j], o)), None)
+        if j is not None:
             found[i] = ("in", j, tuple(o.shape), o.stride(), o.storage_offset())
         else:
             by_storage.setdefault(p, []).append(i)

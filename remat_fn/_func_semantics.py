@@ -45,7 +45,7 @@ from ._torch_internals import version as version_of
 
 __all__ = ["ForwardHook", "NeedsGraph", "keep_nothing", "hooks_aside", "random_in_vmap", "draws_in_vmap", "connect_side_outputs", "check_unsure",
            "check_lazy_outputs", "distinct_inputs", "out_meta", "saved_inputs", "checked_outputs",
-           "replace_at", "undo_forward", "plan_rerun", "deep_enough"]
+           "replace_at", "undo_forward", "plan_rerun", "deep_enough", "primal_under_vjp"]
 
 
 
@@ -76,8 +76,13 @@ class _Discard(ForwardHook):
         return None
 
 
-def _never(_p):  # pragma: no cover - the forward's level is never differentiated
-    raise RematError("internal: remat's forward graph was differentiated")
+class _Differentiated(Exception):
+    """The function differentiated inside the region (``torch.autograd.grad``) through the
+    forward's level, whose saved tensors :func:`keep_nothing` dropped: it runs again keeping them."""
+
+
+def _never(_p):
+    raise _Differentiated()
 
 
 @contextlib.contextmanager
@@ -102,6 +107,8 @@ def keep_nothing(name: str, note=None, hooks=None):
     refused = False
     try:
         yield
+    except _Differentiated:
+        refused = True
     except RuntimeError as e:
         if "don't yet support saved tensor hooks" not in str(e):
             raise
@@ -278,6 +285,12 @@ def replace_at(tensors, wrt, diff) -> list:
     for i, t in zip(wrt, diff):
         full[i] = t
     return full
+
+
+def primal_under_vjp(f, *primals):
+    """``f(*primals)`` under a ``vjp`` level of its own, as the region's forward runs: a function
+    that differentiates inside (``torch.autograd.grad``) finds its inputs requiring grad."""
+    return torch.func.vjp(f, *primals)[0]
 
 
 def undo_forward(spec, snap) -> None:

@@ -32,6 +32,7 @@ so when a functorch transform is active the region runs inside
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import time
 import weakref
@@ -72,6 +73,7 @@ from ._func_semantics import (
     keep_nothing,
     out_meta,
     plan_rerun,
+    primal_under_vjp,
     random_in_vmap,
     replace_at,
     saved_inputs,
@@ -205,7 +207,7 @@ class _RegionState:
             outs = tuple(mode._fix(o) for o in outs)
         if not recompute:
             self.fwd_hits = mode.hits
-            self.foreign = True if mode.opaque else None  # (.data: no op the tape sees, see CaptureMode)
+            self.foreign = mode.opaque or None  # (.data, hooks, autograd inside: see CaptureMode)
             self.escaped = mode.escaped(outs)
             return outs, rebuild
         self.trace.finish(self.name)
@@ -463,6 +465,8 @@ class _RematFunction(torch.autograd.Function):
                 spec.out_values = None
         if touts is None:
             f = _recompute_fn(spec, tensors, wrt, out_diff)
+            if spec.foreign == "autograd":  # (autograd called inside: under a vjp level, as the forward ran)
+                f = functools.partial(primal_under_vjp, f)
             with spec.rng or _NULL, spec.autocast:  # forward mode: recompute everything
                 _, touts = torch.func.jvp(f, primals, tans)
         it = iter(touts)
@@ -558,9 +562,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             )
         spec = _RegionState(call.run, len(inputs), captured, name, debug, reach, expand)
         closed = substituted(captured)  # (what the Function gets; the function reads ``captured``)
-        spec.produced = produced
-        spec.keep_graph = keep_graph
-        spec.levels = levels
+        spec.produced, spec.keep_graph, spec.levels = produced, keep_graph, levels
         spec.aliases = [(id(t), k) for k, t in enumerate(given) if id(t) in reach.tensors]
         spec.vmapped = any(is_vmap_kind(kind) for kind in levels.values())
         spec.rec = Record(policy)  # (without a policy: the op sequence, for the plan)
@@ -576,16 +578,13 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             spec.replay = not rerun
         else:  # backward differentiates the forward's graph, its saved tensors replayed
             frame = spec.frame = Frame(None, None, None, name, False)
-            frame.rec = spec.rec
-            frame.deferred = True
+            frame.rec, frame.deferred = spec.rec, True
             spec.frame.tape = spec.tape = Tape(copies=True)
         spec.needs = [grad_mode and needs_grad(t) and _is_diff(t) for t in (*inputs, *closed)]
         if spec.vmapped and any(spec.needs):
             spec.widen = differentiated_outside_vmaps(levels, any(unwrap_all(t).requires_grad for t in (*inputs, *closed)))
         spec.prof = prof
-        # forward mode runs the Function's jvp inside apply: it replays the
-        # forward's random draws from the snapshot taken before them
-        spec.rng = snap
+        spec.rng = snap  # (forward mode runs the Function's jvp inside apply: draws from before them)
         # (the enclosing regions' tapes: this call is a span of each; under no_grad, where it runs as
         # plain code, none: its ops replay one by one, each under its own grad mode)
         tapes = recording_tapes() if grad_mode else []
