@@ -10,6 +10,8 @@ from torch.func import grad, hessian, jacfwd, jacrev, vjp, vmap
 
 from remat_fn import remat, remat_scan
 
+from ._util import assert_tree_close
+
 D = torch.float64
 _G = torch.Generator().manual_seed(0)
 X = torch.randn(4, dtype=D, generator=_G)
@@ -21,8 +23,7 @@ def ident(f):
 
 
 def _close(a, b):
-    for x, y in zip(torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)):
-        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)
+    assert_tree_close(a, b, rtol=1e-10, atol=1e-10)
 
 
 def _two_overlapping_views(wrap):

@@ -15,6 +15,8 @@ from torch.func import grad, hessian, jacfwd, jvp, vjp, vmap
 
 from remat_fn import remat
 
+from ._util import assert_tree_close
+
 D = torch.float64
 X = torch.tensor([0.3, -1.2, 2.0, 0.7], dtype=D)
 
@@ -24,8 +26,7 @@ def ident(f):
 
 
 def _close(a, b):
-    for x, y in zip(torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)):
-        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)
+    assert_tree_close(a, b, rtol=1e-10, atol=1e-10)
 
 
 def _eager_around_grad(f):
