@@ -321,9 +321,8 @@ class CaptureMode(TorchFunctionMode):
 _HOOK = torch.Tensor.register_hook
 _AUTOGRAD = frozenset({torch.autograd.grad, torch.autograd.backward})
 _NO_HOOKS: collections.OrderedDict = collections.OrderedDict()
-_DATA = frozenset({torch.Tensor.data.__get__, torch.Tensor.data.__set__, torch.Tensor.register_hook,
-                   torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.detach_,
-                   torch.autograd.grad, torch.autograd.backward})
+_DATA = frozenset({torch.Tensor.data.__get__, torch.Tensor.data.__set__, _HOOK,
+                   torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.detach_}) | _AUTOGRAD
 
 
 def _carry_grad(args, kwargs) -> bool:

@@ -461,7 +461,7 @@ def run_with_hooks(call: RegionCall) -> Any:
         in_versions = [(x, version_of(x)) for x in tensors]
         snap = RNGSnapshot(call.rng_devices(tensors)) if preserve_rng_state else None
         frame.autocast = AutocastState()
-        undo = Tape(copies=True)  # (what the forward wrote into tensors from outside, see below)
+        undo = Tape(copies=True, replayed=False)  # (what the forward wrote into tensors from outside, see below)
     frame.rng = snap  # provisional: a backward inside the forward may recompute
     policy = call.policy("eager", tensors)
     if type(policy) is Measuring:  # memory_budget's first call: activation inputs count

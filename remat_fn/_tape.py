@@ -125,10 +125,13 @@ class Node:
 class Tape:
     """The ops of one forward of one region (see the module docstring)."""
 
-    def __init__(self, func_path: bool = False, copies: bool = False):
+    def __init__(self, func_path: bool = False, copies: bool = False, replayed: bool = True):
         self.nodes: list[Node] = []
         self.func_path = func_path  # record output metadata (the torch.func recomputation)
         self.copies = func_path or copies  # fill pre_write (a torch.func re-run may follow)
+        # False: recorded only to put back what the forward wrote (see undo_writes), never replayed,
+        # so nothing is refused for the replay's sake (the function runs again instead)
+        self.replayed = replayed
         # id(tensor) -> (Value, weak ref to the tensor, or the tensor itself for outside ones)
         self.reg: dict[int, tuple] | None = {}
         # storages of outside tensors the region wrote (``outside`` has those read
@@ -222,7 +225,7 @@ class Tape:
             flat, spec = list(args), None
         else:
             flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
-        if info[4]:
+        if info[4] and self.replayed:
             raise RematError(
                 f"remat: the region calls {func} on a storage: the recorded forward cannot replay a "
                 "tensor re-pointed at other memory (its writes would be lost). Fix: make that alias "

@@ -728,6 +728,14 @@ def test_write_through_a_set_alias_of_a_region_value_is_refused_clearly():
     _grads(remat(lambda x: x.sin().sum()), x)  # (nothing left behind)
 
 
+def test_write_through_a_set_alias_runs_under_debug():
+    """debug=True runs the function again instead of replaying the tape: set_ is not refused
+    there (the forward's record of its writes, kept to put them back if the function turns
+    out to call torch.func, is never replayed)."""
+    x = torch.linspace(0.1, 1, 4, dtype=F64)
+    _close(_grads(remat(_write_through_set_alias, debug=True), x), _grads(_write_through_set_alias, x), tol=1e-12)
+
+
 # -- 4. memory_budget on the recorded graph ------------------------------------------
 
 
