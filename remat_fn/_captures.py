@@ -40,6 +40,7 @@ from ._functorch import (
     unwrap_one,
 )
 from ._ops import CALL_GRAD
+from ._record import recording_tapes
 from ._region import region_depth
 from ._torch_internals import DisableFuncTorch, TorchDispatchMode
 
@@ -159,7 +160,7 @@ class CaptureMode(TorchFunctionMode):
             known = self.known
             if known is not None and id(x) not in known and not self._inner(x) and not self._made_inside(x):
                 if needs_grad(x, self.levels):
-                    raise MissedCapture(x)
+                    return self._alias_of_known(x)
                 if self.levels is not None and from_lowered_level(x):
                     # a constant wrapped at a level set aside here (a BatchNorm's statistics
                     # under grad of grad): the plain tensor below, as plain code reads it
@@ -192,6 +193,30 @@ class CaptureMode(TorchFunctionMode):
                 self.known.add(id(x))
                 return True
         return False
+
+    def _alias_of_known(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``, unknown, needs a gradient: a view of a tensor the region knows, made where no
+        torch function mode sees it (``as_subclass``), is that tensor's view (the recording
+        tapes are told); a view of a captured tensor, that view of its replacement.  Anything
+        else is a tensor the function closes over, not yet threaded (:class:`MissedCapture`)."""
+        b = x._base
+        if b is None or b.dtype != x.dtype or (b.is_conj(), b.is_neg()) != (x.is_conj(), x.is_neg()):
+            raise MissedCapture(x)
+        r = self.subst.get(id(b))
+        if r is None and id(b) not in self.known and not self._inner(b) and not self._made_inside(b):
+            raise MissedCapture(x)
+        if r is not None:  # (torch calls inside a mode's handler skip the mode: the tapes record this one)
+            if r.storage_offset() != b.storage_offset():
+                raise MissedCapture(x)
+            r = torch.as_strided(r, x.size(), x.stride(), x.storage_offset())
+            b, x = r, torch.Tensor.as_subclass(r, type(x)) if type(x) is not torch.Tensor else r
+            if x is r:
+                return x
+        self.known.add(id(x))
+        for tape in recording_tapes():
+            if tape.reg is not None and tape.value_of(unwrap_all(x)) is None:
+                tape.note_alias(unwrap_all(x), unwrap_all(b))
+        return x
 
     def _made_inside(self, x: torch.Tensor) -> bool:
         if self.produced is None:

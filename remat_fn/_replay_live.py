@@ -124,7 +124,8 @@ def output_value(tape, t: torch.Tensor):
         v, ref = e
         if (ref() if v.node >= 0 else ref) is b:
             return v
-    return b
+    a = tape.unseen_alias(b) if tape.reg is not None else None
+    return b if a is None else a
 
 
 class _Kept(TorchDispatchMode):

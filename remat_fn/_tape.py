@@ -157,6 +157,7 @@ class Tape:
         # (a replay runs them as a region of their own, see _replay_live)
         self.spans: list[tuple] = []
         self.out_writes: list = []  # the last write into each output's storage (see _replay_live.output_value)
+        self.made: set[int] = set()  # storages the region's ops allocated (see unseen_alias)
 
     def first_write(self, key: int, pos: int):
         """The write autograd expects into a tensor it saved at ``pos``: the first write into
@@ -198,11 +199,42 @@ class Tape:
                 # of this value receives those writes in order)
                 return v
         ptr = self.key(t)
+        if ptr in self.made and (v := self.unseen_alias(t, ptr)) is not None:
+            return v
         v = Value(-1, 0, t, version_of(t), ptr)
         reg[id(t)] = (v, t)
         if ptr:
             self.outside.setdefault(ptr, []).append(v)
         return v
+
+    def unseen_alias(self, t: torch.Tensor, ptr: int | None = None) -> Value | None:
+        """``t``, unknown, lies on a storage the region made: an alias no op made (``.data``,
+        ``as_subclass`` under a functorch level).  Recorded as the op it stands for, on a tensor
+        the region made (one of its geometry first): a replay computes it and writes through it."""
+        ptr = self.key(t) if ptr is None else ptr
+        if ptr not in self.made:
+            return None
+        geom = (t.size(), t.stride(), t.storage_offset())
+        base = None
+        for v, ref in reversed(self.reg.values()):
+            b = ref() if v.node >= 0 else None
+            if b is not None and b.dtype == t.dtype and self.key(b) == ptr:
+                if (b.size(), b.stride(), b.storage_offset()) == geom:
+                    base = b
+                    break
+                base = base if base is not None or t._base is None else b
+        return None if base is None else self.note_alias(t, base)
+
+    def note_alias(self, t: torch.Tensor, of: torch.Tensor) -> Value:
+        """``t`` aliases ``of`` though no op made it: recorded as ``alias``/``as_strided`` of
+        ``of`` (a view: ``t._base`` set) or ``detach`` (``.data``, ``nn.Parameter(h)``)."""
+        args: tuple = (of,)
+        if (of.size(), of.stride(), of.storage_offset()) != (t.size(), t.stride(), t.storage_offset()):
+            args, func = (of, t.size(), t.stride(), t.storage_offset()), torch.ops.aten.as_strided.default
+        else:
+            func = torch.ops.aten.alias.default if t._base is not None else DETACH
+        self.after(self.before(func, None, args, {}), t, args, {})
+        return self.reg[id(t)][0]
 
     def value_of(self, t: torch.Tensor) -> Value | None:
         """The Value ``t`` holds now (a saved tensor, at pack time), if the region made it."""
@@ -341,13 +373,18 @@ class Tape:
             else:
                 node.rng = None  # (it drew nothing: dropout_p=0, eval mode)
         outs = node.outs
+        fresh = not view and node.func not in ALIASING
+        wrote = {id(t) for t in written_tensors(node.func, args, kwargs)} if writes and fresh else ()
         for i, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
                 v = Value(k, i)
                 reg[id(t)] = (v, weakref.ref(t))
                 outs.append(v)
-                if self.last_write and not view and not writes:  # (a freed storage reused)
-                    self.last_write.pop(self.key(t), None)
+                if fresh and id(t) not in wrote:
+                    if (p := storage_key(t)):
+                        self.made.add(p)
+                    if self.last_write:  # (a freed storage reused)
+                        self.last_write.pop(self.key(t), None)
                 elif (view or node.func in ALIASING) and not has_storage(t) and not storage_key(t) \
                         and args and isinstance(args[0], torch.Tensor):
                     self.synth[id(t)] = (self.key(args[0]), weakref.ref(t))
@@ -465,6 +502,7 @@ class Tape:
         self.synth = {}
         self.writes_to = {}
         self.held_at = {}
+        self.made = set()
         used = {id(v) for v in used_outside}
         for v in self.stale:
             if id(v) not in used:
