@@ -280,6 +280,8 @@ class CaptureMode(TorchFunctionMode):
         """A region nested in this one returned ``outs`` (see note_region_outputs)."""
         if region_depth() != self.depth + 1:
             return
+        if self.known is not None:
+            self._note(outs)
         self._made(self.calls, outs, ())
         self.calls += 1
 

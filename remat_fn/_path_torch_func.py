@@ -628,6 +628,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
                          spec.rec.offloader.bytes_by_dst() if spec.rec.policy is not None else None)
     n = spec.n_out
     outs, side = list(outs[:n]), outs[n:]
+    held = spec.escaped  # (the caller's objects: an enclosing region sees them made by this call too)
     if side:
         connect_side_outputs(spec, side)
     del side  # the forward's side tensors (now in these objects) die here, with their history
@@ -641,7 +642,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
                 hint(o, h)  # the next region may offload it (see Record.hint_outputs)
         if off.stored:
             call.drop_tensors()  # the call must not keep the offloaded inputs alive
-    note_region_outputs(outs)  # an enclosing region sees this call as one that made them
+    note_region_outputs([*outs, *held])  # an enclosing region sees this call as one that made them
+    del held
     result = spec.out_box[-1](outs)
     if any(spec.needs):
         check_lazy_outputs(spec, result)

@@ -208,9 +208,11 @@ class Tape:
         return v
 
     def unseen_alias(self, t: torch.Tensor, ptr: int | None = None) -> Value | None:
-        """``t``, unknown, lies on a storage the region made: an alias no op made (``.data``,
-        ``as_subclass`` under a functorch level).  Recorded as the op it stands for, on a tensor
-        the region made (one of its geometry first): a replay computes it and writes through it."""
+        """``t``, unknown, is a view on a storage the region made: an alias no op made
+        (``as_subclass`` under a functorch level).  Recorded as the view it is of a tensor the
+        region made (one of its geometry first): a replay computes it and writes through it."""
+        if t._base is None:  # (a detached alias, .data or nn.Parameter(h): FSDP's unsharded parameters are
+            return None  # managed by its hooks, which refill them in backward: read as they are then)
         ptr = self.key(t) if ptr is None else ptr
         if ptr not in self.made:
             return None
@@ -222,17 +224,15 @@ class Tape:
                 if (b.size(), b.stride(), b.storage_offset()) == geom:
                     base = b
                     break
-                base = base if base is not None or t._base is None else b
+                base = base if base is not None else b
         return None if base is None else self.note_alias(t, base)
 
     def note_alias(self, t: torch.Tensor, of: torch.Tensor) -> Value:
-        """``t`` aliases ``of`` though no op made it: recorded as ``alias``/``as_strided`` of
-        ``of`` (a view: ``t._base`` set) or ``detach`` (``.data``, ``nn.Parameter(h)``)."""
+        """``t`` is a view of ``of`` though no op made it: recorded as ``alias``/``as_strided``."""
         args: tuple = (of,)
+        func = torch.ops.aten.alias.default
         if (of.size(), of.stride(), of.storage_offset()) != (t.size(), t.stride(), t.storage_offset()):
             args, func = (of, t.size(), t.stride(), t.storage_offset()), torch.ops.aten.as_strided.default
-        else:
-            func = torch.ops.aten.alias.default if t._base is not None else DETACH
         self.after(self.before(func, None, args, {}), t, args, {})
         return self.reg[id(t)][0]
 
