@@ -16,6 +16,7 @@ is ever silently dropped.
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 import weakref
 from typing import Any
@@ -42,7 +43,8 @@ from ._functorch import (
 from ._ops import CALL_GRAD
 from ._record import recording_tapes
 from ._region import region_depth
-from ._torch_internals import DisableFuncTorch, TorchDispatchMode
+from ._torch_internals import DisableFuncTorch, DisableTorchFunction, TorchDispatchMode, use_count
+from ._unseen import note_alias
 
 __all__ = ["CaptureMode", "MissedCapture", "note_region_inputs", "note_region_outputs", "substituted"]
 
@@ -215,7 +217,7 @@ class CaptureMode(TorchFunctionMode):
         self.known.add(id(x))
         for tape in recording_tapes():
             if tape.reg is not None and tape.value_of(unwrap_all(x)) is None:
-                tape.note_alias(unwrap_all(x), unwrap_all(b))
+                note_alias(tape, unwrap_all(x), unwrap_all(b))
         return x
 
     def _made_inside(self, x: torch.Tensor) -> bool:
@@ -259,11 +261,13 @@ class CaptureMode(TorchFunctionMode):
         made, self.made = self.made or [], None
         out_ids = {id(o) for o in outs}
         found = []
-        for call, pos, ref in made:
-            t = ref()
-            if t is not None and id(t) not in out_ids and id(t) not in self.held and carries_grad(t):
-                out_ids.add(id(t))
-                found.append(((call, pos), t))
+        with DisableTorchFunction():
+            for call, pos, ref in made:
+                t = ref()
+                if t is not None and id(t) not in out_ids and id(t) not in self.held and carries_grad(t) \
+                        and (use_count(t) == 1 or sys.getrefcount(t) > _ONLY_CPP):
+                    out_ids.add(id(t))
+                    found.append(((call, pos), t))
         del made
         return found
 
@@ -306,6 +310,8 @@ class CaptureMode(TorchFunctionMode):
                 # (a forward-mode recomputation, which differentiates nothing: the hook, on a
                 # tensor that required grad in the forward, has nothing to act on)
                 return RemovableHandle(_NO_HOOKS)
+        if func in _METADATA:  # (reads no values: nothing to thread, whatever tensor it is)
+            return func(*[self.subst.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args], **(kwargs or {}))
         given = args[0] if args else None  # (before _fix: a constant of a level set aside, unwrapped there)
         args = self._fix(args)
         kwargs = self._fix(kwargs) if kwargs else {}
@@ -350,6 +356,17 @@ _AUTOGRAD = frozenset({torch.autograd.grad, torch.autograd.backward})
 _NO_HOOKS: collections.OrderedDict = collections.OrderedDict()
 _DATA = frozenset({torch.Tensor.data.__get__, torch.Tensor.data.__set__, _HOOK,
                    torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.detach_}) | _AUTOGRAD
+
+
+# sys.getrefcount of a tensor autograd holds (use_count > 1) that nothing in Python holds: the
+# reference its TensorImpl keeps to its Python object, the local name, getrefcount's argument.
+# Alive only through autograd (a base of a view a nested region saved), it did not leave the region
+_ONLY_CPP = 3
+_T = torch.Tensor
+_METADATA = frozenset({_T.requires_grad.__get__, _T.grad_fn.__get__, _T.is_leaf.__get__, _T._base.__get__,
+                       _T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.layout.__get__, _T.ndim.__get__,
+                       _T.size, _T.dim, _T.stride, _T.numel, _T.storage_offset, _T.is_floating_point,
+                       _T.is_complex, _T.is_contiguous, _T.data_ptr, _T.untyped_storage})
 
 
 def _carry_grad(args, kwargs) -> bool:

@@ -38,6 +38,7 @@ from ._functorch import unwrap_all
 from ._ops import ALIASING, arg_meta, no_autocast, reenter, run_recorded
 from ._tape import Value
 from ._torch_internals import DisableFuncTorch, TorchDispatchMode
+from ._unseen import unseen_alias
 
 __all__ = ["CannotReplay", "replay_outputs", "replay_fn", "output_value", "INDEPENDENT"]
 
@@ -124,7 +125,7 @@ def output_value(tape, t: torch.Tensor):
         v, ref = e
         if (ref() if v.node >= 0 else ref) is b:
             return v
-    a = tape.unseen_alias(b) if tape.reg is not None else None
+    a = unseen_alias(tape, b) if tape.reg is not None else None
     return b if a is None else a
 
 

@@ -65,6 +65,7 @@ from ._ops import (
 )
 from ._storage_copy import StorageCopy, clone_storage, from_copy
 from ._torch_internals import version as version_of
+from ._unseen import unseen_alias
 
 __all__ = ["Tape", "Value", "Node", "redirect_writes"]
 
@@ -157,7 +158,7 @@ class Tape:
         # (a replay runs them as a region of their own, see _replay_live)
         self.spans: list[tuple] = []
         self.out_writes: list = []  # the last write into each output's storage (see _replay_live.output_value)
-        self.made: set[int] = set()  # storages the region's ops allocated (see unseen_alias)
+        self.made: set[int] = set()  # storages the region's ops allocated (see remat_fn._unseen)
 
     def first_write(self, key: int, pos: int):
         """The write autograd expects into a tensor it saved at ``pos``: the first write into
@@ -199,42 +200,13 @@ class Tape:
                 # of this value receives those writes in order)
                 return v
         ptr = self.key(t)
-        if ptr in self.made and (v := self.unseen_alias(t, ptr)) is not None:
+        if ptr in self.made and (v := unseen_alias(self, t, ptr)) is not None:
             return v
         v = Value(-1, 0, t, version_of(t), ptr)
         reg[id(t)] = (v, t)
         if ptr:
             self.outside.setdefault(ptr, []).append(v)
         return v
-
-    def unseen_alias(self, t: torch.Tensor, ptr: int | None = None) -> Value | None:
-        """``t``, unknown, is a view on a storage the region made: an alias no op made
-        (``as_subclass`` under a functorch level).  Recorded as the view it is of a tensor the
-        region made (one of its geometry first): a replay computes it and writes through it."""
-        if t._base is None:  # (a detached alias, .data or nn.Parameter(h): FSDP's unsharded parameters are
-            return None  # managed by its hooks, which refill them in backward: read as they are then)
-        ptr = self.key(t) if ptr is None else ptr
-        if ptr not in self.made:
-            return None
-        geom = (t.size(), t.stride(), t.storage_offset())
-        base = None
-        for v, ref in reversed(self.reg.values()):
-            b = ref() if v.node >= 0 else None
-            if b is not None and b.dtype == t.dtype and self.key(b) == ptr:
-                if (b.size(), b.stride(), b.storage_offset()) == geom:
-                    base = b
-                    break
-                base = base if base is not None else b
-        return None if base is None else self.note_alias(t, base)
-
-    def note_alias(self, t: torch.Tensor, of: torch.Tensor) -> Value:
-        """``t`` is a view of ``of`` though no op made it: recorded as ``alias``/``as_strided``."""
-        args: tuple = (of,)
-        func = torch.ops.aten.alias.default
-        if (of.size(), of.stride(), of.storage_offset()) != (t.size(), t.stride(), t.storage_offset()):
-            args, func = (of, t.size(), t.stride(), t.storage_offset()), torch.ops.aten.as_strided.default
-        self.after(self.before(func, None, args, {}), t, args, {})
-        return self.reg[id(t)][0]
 
     def value_of(self, t: torch.Tensor) -> Value | None:
         """The Value ``t`` holds now (a saved tensor, at pack time), if the region made it."""
