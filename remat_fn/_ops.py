@@ -138,9 +138,9 @@ def storage_key(t: torch.Tensor) -> int:
             return 0
     try:
         st = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
+        return st.data_ptr() if st.nbytes() else 0
+    except (RuntimeError, NotImplementedError):  # (a storage torch calls invalid: a functorch wrapper's)
         return 0
-    return st.data_ptr() if st.nbytes() else 0
 
 
 def generator_of(func, args, kwargs, pos):

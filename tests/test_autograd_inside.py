@@ -150,3 +150,33 @@ def test_conjugate_view_outputs_keep_their_conjugation(g, transform):
         return {"grad": grad, "jacfwd": jacfwd}[transform](f)(X)
 
     _close(run(remat), run(ident))
+
+
+def test_data_read_in_a_batchnorm_module_under_jvp_runs():
+    """``.data`` read in a module with BatchNorm (training), under ``jvp`` through
+    ``functional_call``: the function runs again for the tangents, and reading the storage
+    of a functorch wrapper there crashed inside torch ("invalid python storage").  Plain code
+    refuses the buffer update ("mutate a captured Tensor"); remat gives the tangent of the
+    same module without running statistics, and updates them once."""
+    from torch.func import functional_call
+
+    from remat_fn.nn import remat_module
+
+    class M(torch.nn.Module):
+        def __init__(self, track=True):
+            super().__init__()
+            self.bn = torch.nn.BatchNorm1d(4, track_running_stats=track).to(D)
+
+        def forward(self, x):
+            h = self.bn(x)
+            return (h.data * h).sum()
+
+    x = torch.linspace(-1, 1, 12, dtype=D).reshape(3, 4) ** 3
+    t = torch.full_like(x, 0.3) + x
+    m = M()
+    state = dict(m.named_parameters()) | dict(m.named_buffers())
+    got = jvp(lambda x: functional_call(remat_module(m), state, (x,)), (x,), (t,))
+    p = M(track=False)
+    want = jvp(lambda x: functional_call(p, dict(p.named_parameters()), (x,)), (x,), (t,))
+    assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
+    assert int(m.bn.num_batches_tracked) == 1
