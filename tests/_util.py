@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import optree
 import torch
+from torch.func import grad, hessian, jacfwd, jvp, vjp, vmap
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -21,6 +22,24 @@ def assert_tree_close(a, b, *, exact: bool = False, rtol=1e-6, atol=1e-7):
                 torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
         else:
             assert x == y, (x, y)
+
+
+def two_argument_transforms(x: torch.Tensor, w: torch.Tensor) -> dict:
+    """``name -> run(f)``: ``f(x, w)`` (a scalar) differentiated by each transform."""
+    def eager(f):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        return torch.autograd.grad(f(xl, wl), (xl, wl))
+
+    return {
+        "eager": eager,
+        "grad": lambda f: grad(f, argnums=(0, 1))(x, w),
+        "vjp": lambda f: vjp(f, x, w)[1](torch.ones((), dtype=x.dtype)),
+        "jvp": lambda f: jvp(f, (x, w), (x, w)),
+        "jacfwd": lambda f: jacfwd(f, argnums=(0, 1))(x, w),
+        "hessian": lambda f: hessian(f)(x, w),
+        "grad_of_grad": lambda f: grad(lambda y: grad(f)(y, w).pow(2).sum())(x),
+        "vmap_grad": lambda f: vmap(grad(f), in_dims=(0, None))(torch.stack([x, 2 * x]), w),
+    }
 
 
 def grads_of(loss_fn, leaves):

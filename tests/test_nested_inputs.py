@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp
+from torch.func import grad, jacrev
 
 from remat_fn import policies, remat, remat_scan
 
-from ._util import assert_tree_close
+from ._util import assert_tree_close, two_argument_transforms
 
 D = torch.float64
 _g = torch.Generator().manual_seed(0)
@@ -31,20 +31,7 @@ def ident(f):
     return f
 
 
-def _eager(f):
-    xl, wl = X.clone().requires_grad_(), W.clone().requires_grad_()
-    return torch.autograd.grad(f(xl, wl), (xl, wl))
-
-
-TRANSFORMS = {
-    "eager": _eager,
-    "grad": lambda f: grad(f, argnums=(0, 1))(X, W),
-    "vjp": lambda f: vjp(f, X, W)[1](torch.ones((), dtype=D)),
-    "jvp": lambda f: jvp(f, (X, W), (X, W)),
-    "jacfwd": lambda f: jacfwd(f, argnums=(0, 1))(X, W),
-    "hessian": lambda f: hessian(f)(X, W),
-    "grad_of_grad": lambda f: grad(lambda x: grad(f)(x, W).pow(2).sum())(X),
-}
+TRANSFORMS = {k: v for k, v in two_argument_transforms(X, W).items() if k != "vmap_grad"}
 
 VIEWS = {
     "slice": lambda h: h[1:],
@@ -99,7 +86,7 @@ def test_scan_checkpoints_1_xs_from_a_differentiated_weight(transform, policy):
     run = {
         "grad": lambda f: grad(f, argnums=(0, 1))(X, W),
         "jacrev_of_jacrev": lambda f: jacrev(jacrev(f, argnums=(0, 1)), argnums=(0, 1))(X, W),
-        "eager": _eager,
+        "eager": TRANSFORMS["eager"],
     }[transform]
     assert_tree_close(run(_scan_loss(True, policy)), run(_scan_loss(False, policy)), rtol=1e-9, atol=1e-10)
 

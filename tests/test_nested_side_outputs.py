@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.func import grad, hessian, jacfwd, jvp, vjp, vmap
 
 from remat_fn import remat
 
-from ._util import assert_tree_close
+from ._util import assert_tree_close, two_argument_transforms
 
 D = torch.float64
 _g = torch.Generator().manual_seed(0)
@@ -28,58 +27,31 @@ def ident(f):
     return f
 
 
-def read_after_outer(x, w, wrap, calls):
-    side = []
+def _program(read_by_outer: bool):
+    def program(x, w, wrap, calls):
+        side = []
 
-    def inner(a):
-        calls["inner"] += 1
-        u = a * w
-        side.append(u.sin())
-        return u
+        def inner(a):
+            calls["inner"] += 1
+            u = a * w
+            side.append(u.sin())  # the side channel
+            return u
 
-    f0 = wrap(inner)
+        f0 = wrap(inner)
 
-    def outer(h):
-        calls["outer"] += 1
-        return f0(h) * 2
+        def outer(h):
+            calls["outer"] += 1
+            return f0(h) + side[0] if read_by_outer else f0(h) * 2
 
-    out = wrap(outer)(x)
-    return (out * side[0]).sum()
+        out = wrap(outer)(x)
+        return out.pow(2).sum() if read_by_outer else (out * side[0]).sum()
 
-
-def read_by_outer(x, w, wrap, calls):
-    side = []
-
-    def inner(a):
-        calls["inner"] += 1
-        u = a * w
-        side.append(u.sin())
-        return u
-
-    f0 = wrap(inner)
-
-    def outer(h):
-        calls["outer"] += 1
-        return f0(h) + side[0]
-
-    return wrap(outer)(x).pow(2).sum()
+    program.__name__ = "read_by_outer" if read_by_outer else "read_after_outer"
+    return program
 
 
-def _eager(f):
-    xl, wl = X.clone().requires_grad_(), W.clone().requires_grad_()
-    return torch.autograd.grad(f(xl, wl), (xl, wl))
-
-
-TRANSFORMS = {
-    "eager": _eager,
-    "grad": lambda f: grad(f, argnums=(0, 1))(X, W),
-    "vjp": lambda f: vjp(f, X, W)[1](torch.ones((), dtype=D)),
-    "jvp": lambda f: jvp(f, (X, W), (X, W)),
-    "jacfwd": lambda f: jacfwd(f, argnums=(0, 1))(X, W),
-    "hessian": lambda f: hessian(f)(X, W),
-    "grad_of_grad": lambda f: grad(lambda x: grad(f)(x, W).pow(2).sum())(X),
-    "vmap_grad": lambda f: vmap(grad(f), in_dims=(0, None))(torch.stack([X, 2 * X]), W),
-}
+read_after_outer, read_by_outer = _program(False), _program(True)
+TRANSFORMS = two_argument_transforms(X, W)
 ONCE = ("eager", "grad", "vjp", "jvp")  # one forward, its Python once (elsewhere: docs/design.md)
 
 
