@@ -264,6 +264,8 @@ class CaptureMode(TorchFunctionMode):
         with DisableTorchFunction():
             for call, pos, ref in made:
                 t = ref()
+                # (one autograd holds and nothing in Python does, the base of a view a nested region
+                # saved, did not leave the region)
                 if t is not None and id(t) not in out_ids and id(t) not in self.held and carries_grad(t) \
                         and (use_count(t) == 1 or sys.getrefcount(t) > _ONLY_CPP):
                     out_ids.add(id(t))
@@ -358,15 +360,32 @@ _DATA = frozenset({torch.Tensor.data.__get__, torch.Tensor.data.__set__, _HOOK,
                    torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.detach_}) | _AUTOGRAD
 
 
-# sys.getrefcount of a tensor autograd holds (use_count > 1) that nothing in Python holds: the
-# reference its TensorImpl keeps to its Python object, the local name, getrefcount's argument.
-# Alive only through autograd (a base of a view a nested region saved), it did not leave the region
-_ONLY_CPP = 3
 _T = torch.Tensor
 _METADATA = frozenset({_T.requires_grad.__get__, _T.grad_fn.__get__, _T.is_leaf.__get__, _T._base.__get__,
                        _T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.layout.__get__, _T.ndim.__get__,
                        _T.size, _T.dim, _T.stride, _T.numel, _T.storage_offset, _T.is_floating_point,
                        _T.is_complex, _T.is_contiguous, _T.data_ptr, _T.untyped_storage})
+
+
+def _only_cpp() -> int:
+    """``sys.getrefcount`` of a tensor that autograd holds and nothing in Python does, read
+    through a weak reference into a local name, as :meth:`CaptureMode.escaped` reads it (the
+    reference its TensorImpl keeps to its Python object, the name, the argument).  Measured
+    once, at import (outside any region and transform), not assumed: interpreters count
+    differently."""
+    with torch.enable_grad():
+        x = torch.zeros(1, requires_grad=True)
+        h = x * 1
+        ref = weakref.ref(h)
+        y = h.sin()  # (saves h)
+        del h
+        t = ref()
+        n = sys.getrefcount(t)
+        del t, y
+    return n
+
+
+_ONLY_CPP = _only_cpp()
 
 
 def _carry_grad(args, kwargs) -> bool:
