@@ -160,13 +160,17 @@ class CaptureMode(TorchFunctionMode):
                 self.hits.add(id(x))
                 return r
             known = self.known
-            if known is not None and id(x) not in known and not self._inner(x) and not self._made_inside(x):
-                if needs_grad(x, self.levels):
-                    return self._alias_of_known(x)
-                if self.levels is not None and from_lowered_level(x):
-                    # a constant wrapped at a level set aside here (a BatchNorm's statistics
-                    # under grad of grad): the plain tensor below, as plain code reads it
-                    return unwrap_all(x)
+            if known is not None and id(x) not in known and not self._inner(x):
+                a = self._alias_of_known(x)
+                if a is not None:
+                    return a
+                if not self._made_inside(x):
+                    if needs_grad(x, self.levels):
+                        raise MissedCapture(x)
+                    if self.levels is not None and from_lowered_level(x):
+                        # a constant wrapped at a level set aside here (a BatchNorm's statistics
+                        # under grad of grad): the plain tensor below, as plain code reads it
+                        return unwrap_all(x)
             return x
         tx = type(x)
         if tx is tuple or tx is list:
@@ -196,20 +200,20 @@ class CaptureMode(TorchFunctionMode):
                 return True
         return False
 
-    def _alias_of_known(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``, unknown, needs a gradient: a view of a tensor the region knows, made where no
-        torch function mode sees it (``as_subclass``), is that tensor's view (the recording
-        tapes are told); a view of a captured tensor, that view of its replacement.  Anything
-        else is a tensor the function closes over, not yet threaded (:class:`MissedCapture`)."""
+    def _alias_of_known(self, x: torch.Tensor):
+        """``x``, unknown: a view of a tensor the region knows (or made), made where no torch
+        function mode sees it (``as_subclass``), is that tensor's view: known, and the recording
+        tapes are told (returns ``x``); a view of a captured tensor, that view of its replacement
+        (returned, known).  Anything else: None (a tensor from outside, or not yet threaded)."""
         b = x._base
         if b is None or b.dtype != x.dtype or (b.is_conj(), b.is_neg()) != (x.is_conj(), x.is_neg()):
-            raise MissedCapture(x)
+            return None
         r = self.subst.get(id(b))
         if r is None and id(b) not in self.known and not self._inner(b) and not self._made_inside(b):
-            raise MissedCapture(x)
+            return None
         if r is not None:  # (torch calls inside a mode's handler skip the mode: the tapes record this one)
             if r.storage_offset() != b.storage_offset():
-                raise MissedCapture(x)
+                return None
             r = torch.as_strided(r, x.size(), x.stride(), x.storage_offset())
             b, x = r, torch.Tensor.as_subclass(r, type(x)) if type(x) is not torch.Tensor else r
             if x is r:
