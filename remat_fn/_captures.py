@@ -219,9 +219,10 @@ class CaptureMode(TorchFunctionMode):
             if x is r:
                 return x
         self.known.add(id(x))
+        px, pb = unwrap_all(x), unwrap_all(b)
         for tape in recording_tapes():
-            if tape.reg is not None and tape.value_of(unwrap_all(x)) is None:
-                note_alias(tape, unwrap_all(x), unwrap_all(b))
+            if tape.reg is not None and tape.value_of(px) is None:
+                note_alias(tape, px, pb)
         return x
 
     def _made_inside(self, x: torch.Tensor) -> bool:

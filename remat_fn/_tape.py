@@ -356,7 +356,7 @@ class Tape:
                     if (p := storage_key(t)):
                         self.made.add(p)
                     if self.last_write:  # (a freed storage reused)
-                        self.last_write.pop(self.key(t), None)
+                        self.last_write.pop(p or self.key(t), None)
                 elif (view or node.func in ALIASING) and not has_storage(t) and not storage_key(t) \
                         and args and isinstance(args[0], torch.Tensor):
                     self.synth[id(t)] = (self.key(args[0]), weakref.ref(t))
