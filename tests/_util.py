@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optree
 import torch
-from torch.func import grad, hessian, jacfwd, jvp, vjp, vmap
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -22,6 +22,32 @@ def assert_tree_close(a, b, *, exact: bool = False, rtol=1e-6, atol=1e-7):
                 torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
         else:
             assert x == y, (x, y)
+
+
+def one_argument_transforms(x: torch.Tensor) -> dict:
+    """``name -> run(f)``: ``f(x)`` (a scalar) differentiated by each transform, and by eager
+    autograd around ``torch.func.grad`` (the meta-learning outer loop)."""
+    def eager(f):
+        xl = x.clone().requires_grad_()
+        return torch.autograd.grad(f(xl), xl)
+
+    def eager_around_grad(f):
+        xl = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(grad(f)(xl).pow(2).sum(), xl)
+        return g
+
+    return {
+        "eager": eager,
+        "grad": lambda f: grad(f)(x),
+        "vjp": lambda f: vjp(f, x)[1](torch.ones((), dtype=x.dtype)),
+        "jvp": lambda f: jvp(f, (x,), (torch.ones_like(x),)),
+        "jacrev": lambda f: jacrev(f)(x),
+        "jacfwd": lambda f: jacfwd(f)(x),
+        "hessian": lambda f: hessian(f)(x),
+        "grad_of_grad": lambda f: grad(lambda y: grad(f)(y).pow(2).sum())(x),
+        "vmap_grad": lambda f: vmap(grad(f))(torch.stack([x, 2 * x])),
+        "eager_around_grad": eager_around_grad,
+    }
 
 
 def two_argument_transforms(x: torch.Tensor, w: torch.Tensor) -> dict:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.func import grad, hessian, jacfwd, jvp, vjp, vmap
+from torch.func import grad, jacfwd, jvp, vjp, vmap
 
 from remat_fn import remat
 
-from ._util import assert_tree_close
+from ._util import assert_tree_close, one_argument_transforms
 
 D = torch.float64
 X = torch.tensor([0.3, -1.2, 2.0, 0.7], dtype=D)
@@ -29,23 +29,9 @@ def _close(a, b):
     assert_tree_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-def _eager_around_grad(f):
-    """The meta-learning outer loop: eager autograd around a torch.func.grad."""
-    x = X.clone().requires_grad_()
-    (g,) = torch.autograd.grad(grad(f)(x).pow(2).sum(), x)
-    return g
-
-
-TRANSFORMS = {
-    "grad": lambda f: grad(f)(X),
-    "vjp": lambda f: vjp(f, X)[1](torch.ones((), dtype=D)),
-    "jvp": lambda f: jvp(f, (X,), (torch.ones_like(X),)),
-    "jacfwd": lambda f: jacfwd(f)(X),
-    "hessian": lambda f: hessian(f)(X),
-    "grad_of_grad": lambda f: grad(lambda y: grad(f)(y).pow(2).sum())(X),
-    "vmap_grad": lambda f: vmap(grad(f))(torch.stack([X, 2 * X])),
-    "eager_around_grad": _eager_around_grad,
-}
+_ALL = one_argument_transforms(X)
+TRANSFORMS = {k: _ALL[k] for k in ("grad", "vjp", "jvp", "jacfwd", "hessian", "grad_of_grad", "vmap_grad",
+                                   "eager_around_grad")}
 
 
 def _hook_on_intermediate(x):
