@@ -46,7 +46,7 @@ from ._region import region_depth
 from ._torch_internals import DisableFuncTorch, DisableTorchFunction, TorchDispatchMode, use_count
 from ._unseen import note_alias
 
-__all__ = ["CaptureMode", "MissedCapture", "note_region_inputs", "note_region_outputs", "substituted"]
+__all__ = ["CaptureMode", "MissedCapture", "nested_in_forward", "note_region_inputs", "note_region_outputs", "substituted"]
 
 
 class _Recording(threading.local):
@@ -56,12 +56,14 @@ class _Recording(threading.local):
 _recording = _Recording()
 
 
-def note_region_inputs(tensors) -> None:
-    """A region nested in a forward keeps these tensors (its inputs) for its
-    backward: they are alive after the enclosing forward without having left it."""
+def note_region_inputs(tensors, holder) -> None:
+    """A region nested in a forward keeps these tensors (the tensors it closes over)
+    for its backward: ``holder.refs_to(t)`` counts the Python references to ``t`` it
+    holds after the enclosing forward (see :meth:`CaptureMode.escaped`)."""
     for mode in _recording.stack:
         if mode.made is not None:
-            mode.held.update(id(t) for t in tensors)
+            for t in tensors:
+                mode.held.setdefault(id(t), []).append(holder)
 
 
 def substituted(tensors: list) -> list:
@@ -77,6 +79,12 @@ def substituted(tensors: list) -> list:
         if subst or mode.levels is not None:
             tensors = [mode._fix(t) if id(t) in subst else mode._set_aside(t) for t in tensors]
     return tensors
+
+
+def nested_in_forward() -> bool:
+    """An enclosing region's forward is being recorded on the torch.func path (its
+    side-output check will count the Python references to what this call keeps)."""
+    return any(mode.made is not None for mode in _recording.stack)
 
 
 def note_region_outputs(tensors) -> None:
@@ -145,7 +153,7 @@ class CaptureMode(TorchFunctionMode):
         self.made: list[tuple[int, int, weakref.ref]] | None = [] if known is not None else None
         self.grab = grab
         self.grabbed: dict[tuple[int, int], torch.Tensor] = {}
-        self.held: set[int] = set()  # see note_region_inputs
+        self.held: dict[int, list] = {}  # see note_region_inputs
         # the transforms active where the region was called (set aside inside its Function's
         # forward: their wrappers are judged by them, see needs_grad)
         self.levels: dict | None = None
@@ -269,10 +277,13 @@ class CaptureMode(TorchFunctionMode):
         with DisableTorchFunction():
             for call, pos, ref in made:
                 t = ref()
-                # (one autograd holds and nothing in Python does, the base of a view a nested region
-                # saved, did not leave the region)
-                if t is not None and id(t) not in out_ids and id(t) not in self.held and carries_grad(t) \
-                        and (use_count(t) == 1 or sys.getrefcount(t) > _ONLY_CPP):
+                if t is None or id(t) in out_ids or not carries_grad(t):
+                    continue
+                # Held by Python beyond what remat's own objects hold (a nested region's tables
+                # of the tensors it closes over): it left by a side channel.  (One autograd holds
+                # and nothing in Python does, the base of a view a nested region saved, did not.)
+                own = sum(h.refs_to(t) for h in self.held.get(id(t), ()))
+                if sys.getrefcount(t) - own > (_ONLY_CPP if use_count(t) > 1 else _ONLY_PY):
                     out_ids.add(id(t))
                     found.append(((call, pos), t))
         del made
@@ -372,12 +383,12 @@ _METADATA = frozenset({_T.requires_grad.__get__, _T.grad_fn.__get__, _T.is_leaf.
                        _T.is_complex, _T.is_contiguous, _T.data_ptr, _T.untyped_storage})
 
 
-def _only_cpp() -> int:
-    """``sys.getrefcount`` of a tensor that autograd holds and nothing in Python does, read
-    through a weak reference into a local name, as :meth:`CaptureMode.escaped` reads it (the
-    reference its TensorImpl keeps to its Python object, the name, the argument).  Measured
-    once, at import (outside any region and transform), not assumed: interpreters count
-    differently."""
+def _baselines() -> tuple[int, int]:
+    """``sys.getrefcount`` of a tensor nothing in Python holds, read through a weak reference
+    into a local name, as :meth:`CaptureMode.escaped` reads it: one autograd holds (the
+    reference its TensorImpl keeps to its Python object, the name, the argument), and one
+    held by a list alone, less the list's reference.  Measured once, at import (outside
+    any region and transform), not assumed: interpreters count differently."""
     with torch.enable_grad():
         x = torch.zeros(1, requires_grad=True)
         h = x * 1
@@ -385,12 +396,17 @@ def _only_cpp() -> int:
         y = h.sin()  # (saves h)
         del h
         t = ref()
-        n = sys.getrefcount(t)
+        cpp = sys.getrefcount(t)
         del t, y
-    return n
+        box = [x * 1]
+        ref = weakref.ref(box[0])
+        t = ref()
+        py = sys.getrefcount(t) - 1
+        del t, box
+    return cpp, py
 
 
-_ONLY_CPP = _only_cpp()
+_ONLY_CPP, _ONLY_PY = _baselines()
 
 
 def _carry_grad(args, kwargs) -> bool:

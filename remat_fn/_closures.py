@@ -78,6 +78,17 @@ class Reachable:
                 versions.append((t, v))
         self.versions = versions
 
+    def refs_to(self, t: torch.Tensor) -> int:
+        """The Python references to ``t`` this walk holds (its tables, and the closure
+        cells it found ``t`` in, which the function it walked holds) (see
+        ``CaptureMode.escaped``).  A dict it found ``t`` in (a module's, globals) is
+        the caller's: not counted."""
+        n = int(self.tensors.get(id(t)) is t)
+        for _, key, u in self.places:
+            if u is t:
+                n += 2 if key is None else 1
+        return n + sum(u is t for u, _ in self.versions)
+
     def check_versions(self, name: str) -> None:
         """Raise if a reachable tensor was modified in place since :meth:`record_versions`."""
         for t, v in self.versions:

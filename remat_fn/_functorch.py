@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from ._torch_internals import forward_ad_level, functorch, functorch_active, is_view
+from ._torch_internals import DisableFuncTorch, DisableTorchDispatch, DisableTorchFunction, forward_ad_level, functorch, functorch_active, is_view
 
 __all__ = [
     "C", "transforms_active", "transform_stack", "transform_kinds", "is_wrapped", "unwrap_one",
-    "unwrap_all",
+    "unwrap_all", "version_alias",
     "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead",
     "forward_mode_active", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
     "requires_grad_anywhere", "is_vmap_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
@@ -48,6 +48,17 @@ def unwrap_all(t: torch.Tensor) -> torch.Tensor:
     while C.is_functorch_wrapped_tensor(t):
         t = C.get_unwrapped(t)
     return t
+
+
+def version_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor sharing ``t``'s version counter (and storage) that is not ``t``'s Python
+    object: the plain tensor below its wrappers, or an alias of a plain ``t`` that no
+    mode or transform sees made.  Holding it keeps no Python reference to ``t``."""
+    u = unwrap_all(t)
+    if u is not t:
+        return u
+    with DisableTorchFunction(), DisableTorchDispatch(), DisableFuncTorch():
+        return torch.Tensor.detach(t)
 
 
 def storage_ptr(t: torch.Tensor) -> int | None:

@@ -42,7 +42,7 @@ import torch
 
 from ._autocast import AutocastState
 from ._budget import Measuring
-from ._captures import CaptureMode, MissedCapture, note_region_inputs, note_region_outputs, substituted
+from ._captures import CaptureMode, MissedCapture, nested_in_forward, note_region_inputs, note_region_outputs, substituted
 from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
 from ._describe import describe
@@ -91,6 +91,7 @@ from ._functorch import (
     storage_ptr,
     unwrap_all,
     unwrap_if_dead,
+    version_alias,
 )
 from ._offload import FuncInputs, hint, input_offloads
 from ._ops import PrivateWrites, private_copies
@@ -177,6 +178,10 @@ class _RegionState:
         self.vmapped = False  # a vmap is active at the call
         self.replay = False  # a nested region: its backward replays the recorded forward
         self.widen: list[bool] = []  # per vmap level: something outside differentiates (see batched_outputs)
+
+    def refs_to(self, t) -> int:
+        """The Python references to ``t`` this call keeps after its forward (see note_region_inputs)."""
+        return sum(c is t for c in self.captured) + self.reach.refs_to(t)
 
     def call(self, tensors, known: set[int] | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
@@ -397,7 +402,9 @@ class _RematFunction(torch.autograd.Function):
             ctx.save_for_backward(*spec.offload.save(inputs[1:], output, spec.rec and spec.rec.offloader))
         else:
             ctx.save_for_backward(*inputs[1:])
-        note_region_inputs(inputs[1:])  # an enclosing region's forward must not take them for side outputs
+        # (the tensors it closes over: an enclosing region's forward must not take them for side outputs;
+        # its arguments are checked there as any tensor, remat holding no Python reference to them)
+        note_region_inputs(inputs[1 + spec.n_in:], spec)
         ctx.save_for_forward(*inputs[1:])
         nd = [o for o, d in zip(output, spec.diff) if not d]
         if nd:
@@ -619,7 +626,11 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     spec.rng = snap if snap is not None and snap.finish() else None
     off = spec.offload
     # (the recomputation reads private copies of the buffers the forward wrote)
-    reach.record_versions(off.kept_inputs(inputs) if off is not None else inputs, skip=spec.written)
+    kept = off.kept_inputs(inputs) if off is not None else inputs
+    if nested_in_forward():  # (the enclosing forward's side-output check counts Python references)
+        kept = [version_alias(t) for t in kept]
+        call.drop_tensors()  # (backward runs the function on the Function's saved inputs)
+    reach.record_versions(kept, skip=spec.written)
     if prof is not None:
         kept = [*(off.kept_inputs(inputs) if off is not None else inputs), *captured]
         if spec.rec is not None:

@@ -50,7 +50,7 @@ import torch
 __all__ = [
     "SUPPORTED_TORCH", "push_hooks", "pop_hooks", "top_hooks", "hooks_enabled", "hooks_disabled_message",
     "enable_hooks", "disable_hooks", "set_version_counter", "functorch", "functorch_active",
-    "DisableTorchFunction", "DisableFuncTorch", "dispatch_stack_len", "function_mode_enabled", "TorchDispatchMode",
+    "DisableTorchFunction", "DisableFuncTorch", "DisableTorchDispatch", "dispatch_stack_len", "function_mode_enabled", "TorchDispatchMode",
     "disable_current_modes", "mode_stack", "tree_leaves", "FakeTensorMode", "OpOverload", "OpOverloadPacket",
     "assert_async", "CachingTorchDispatchMode", "checkpoint_flag", "forward_ad_level", "version",
     "is_view", "use_count", "schema", "saved_tensor_attrs",
@@ -105,6 +105,8 @@ functorch_active = _attr(torch._C, "torch._C", "_are_functorch_transforms_active
 DisableTorchFunction = _attr(torch._C, "torch._C", "DisableTorchFunction")
 # ops on plain tensors run as plain ops, whatever functorch transform is active
 DisableFuncTorch = _attr(torch._C, "torch._C", "_DisableFuncTorch")
+# ops run below every Python dispatch mode (bookkeeping no recording tape sees)
+DisableTorchDispatch = _attr(torch._C, "torch._C", "_DisableTorchDispatch")
 dispatch_stack_len = _attr(torch._C, "torch._C", "_len_torch_dispatch_stack")
 function_mode_enabled = _attr(torch._C, "torch._C", "_is_torch_function_mode_enabled")
 # autocast on for any device (one call instead of one per device type)
