@@ -122,6 +122,9 @@ class CaptureMode(TorchFunctionMode):
             tensors those calls produce are collected in :attr:`grabbed` (the
             values that left the forward by a side channel, see
             :meth:`escaped`).
+        late: ``{(call index, position): id}`` of the caller's objects holding those
+            values since the forward: a recomputation that reads one (``side[0]``,
+            appended earlier in the same run) reads the value it made instead.
 
     In the forward (``known`` given) every tensor a call produces that
     requires grad is remembered by weak reference and call index, so that
@@ -133,7 +136,7 @@ class CaptureMode(TorchFunctionMode):
     def __init__(self, subst: dict[int, torch.Tensor], known: set[int] | None,
                  trace: CallTrace | None = None, name: str = "fn",
                  produced: set[int] | None = None, inputs: list[torch.Tensor] = (),
-                 grab: dict[int, list[int]] | None = None):
+                 grab: dict[int, list[int]] | None = None, late: dict[tuple[int, int], int] | None = None):
         super().__init__()
         # Storages of the tensors the region's own aten ops made (recorded, on a
         # retry, by a dispatch mode below every functorch level): a tensor whose
@@ -153,6 +156,7 @@ class CaptureMode(TorchFunctionMode):
         self.made: list[tuple[int, int, weakref.ref]] | None = [] if known is not None else None
         self.grab = grab
         self.grabbed: dict[tuple[int, int], torch.Tensor] = {}
+        self.late = late
         self.held: dict[int, list] = {}  # see note_region_inputs
         # the transforms active where the region was called (set aside inside its Function's
         # forward: their wrappers are judged by them, see needs_grad)
@@ -319,7 +323,10 @@ class CaptureMode(TorchFunctionMode):
         elif self.grab is not None and call in self.grab:
             made = dict(self._made_tensors(out, args))
             for i in self.grab[call]:
-                self.grabbed[(call, i)] = made[i]
+                t = self.grabbed[(call, i)] = made[i]
+                obj = self.late.get((call, i)) if self.late else None
+                if obj is not None:  # (the forward's side output, read later in this run: this run's)
+                    self.subst[obj] = t
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _DATA:

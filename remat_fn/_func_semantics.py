@@ -17,6 +17,9 @@ function and its caller what plain code would:
   that forbids it: a clear error.
 * :func:`distinct_inputs`: a tensor passed twice is one input of the Function, so
   the function sees ``a is b`` as plain code does.
+* :class:`RegionState`: one call's state on the path, and the function run under
+  the :class:`~remat_fn._captures.CaptureMode` that threads what it closes over
+  (in the forward, and in a re-run, which reads its own side outputs).
 """
 
 from __future__ import annotations
@@ -29,11 +32,17 @@ from collections.abc import Iterator
 import optree
 import torch
 
-from ._closures import reachable_tensors
+from ._autocast import AutocastState
+from ._captures import CaptureMode
+from ._closures import Reachable, reachable_tensors
+from ._debug import CallTrace
 from ._describe import describe, describe_meta
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_outside
-from ._functorch import draws_batched, storage_ptr, unwrap_if_dead
-from ._tape import Value
+from ._functorch import draws_batched, needs_grad, requires_grad_anywhere, storage_ptr, unwrap_if_dead
+from ._offload import FuncInputs
+from ._ops import PrivateWrites, private_copies
+from ._rng_state import RNGSnapshot
+from ._tape import Tape, Value
 from ._torch_internals import disable_hooks as _disable_hooks
 from ._torch_internals import enable_hooks as _enable_hooks
 from ._torch_internals import hooks_disabled_message as _hooks_off_message
@@ -43,10 +52,14 @@ from ._torch_internals import push_hooks as _push_hooks
 from ._torch_internals import top_hooks as _top_hooks
 from ._torch_internals import version as version_of
 
-__all__ = ["ForwardHook", "NeedsGraph", "keep_nothing", "hooks_aside", "random_in_vmap", "draws_in_vmap", "connect_side_outputs", "check_unsure",
+__all__ = ["RegionState", "ForwardHook", "NeedsGraph", "keep_nothing", "hooks_aside", "random_in_vmap", "draws_in_vmap",
+           "connect_side_outputs", "check_unsure",
            "check_lazy_outputs", "distinct_inputs", "out_meta", "saved_inputs", "checked_outputs",
            "replace_at", "undo_forward", "plan_rerun", "deep_enough", "primal_under_vjp"]
 
+
+
+_NULL = contextlib.nullcontext()
 
 
 class NeedsGraph(Exception):
@@ -341,3 +354,138 @@ def deep_enough(depth: int) -> None:
     need = 1000 + _FRAMES_PER_REGION * (depth + 1)
     if sys.getrecursionlimit() < need:
         sys.setrecursionlimit(need)
+
+
+class RegionState:
+    """One call's state on this path: everything the Function needs that is not a
+    tensor input (mutable: the forward fills in what backward reads)."""
+
+    __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "reach",
+                 "fwd_hits", "rec", "needs", "trace", "views", "autocast", "produced", "prof",
+                 "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
+                 "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
+                 "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "replay", "widen",
+                 "side_objs")
+
+    def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
+        self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
+        self.n_in = n_in  # distinct input tensors (the same tensor passed twice is one input)
+        self.expand = expand  # argument position -> index among the distinct inputs
+        self.grad_mode = torch.is_grad_enabled()  # what the function sees, as in plain code
+        # side outputs: {call index: positions} of the forward's tensors that left
+        # the region by a side channel, and the objects the caller holds (until
+        # they are swapped for the Function's outputs)
+        self.escapes: dict[int, list[int]] = {}
+        self.escaped: list = []
+        self.side_objs: list = []  # (the caller's object, its (call index, position)) per side output
+        self.n_out = 0
+        self.diff: list[bool] = []  # which outputs are differentiable (as in plain code)
+        self.keep_graph = False  # the forward's vjp level keeps what autograd saves (see keep_nothing)
+        self.unsure: list = []  # weak refs to side-output candidates autograd also held
+        self.captured = captured
+        self.rng: RNGSnapshot | None = None
+        self.out_meta: list[tuple] | None = None
+        self.out_box: list = []
+        self.name = name
+        self.debug = debug
+        self.reach = reach
+        self.fwd_hits: set[int] = set()
+        self.rec = None  # remat_fn._record.Record when a policy is in force
+        self.needs: list[bool] = []  # which tensor inputs need a gradient
+        self.trace = CallTrace(where=debug)  # the forward's tensor ops, checked on recompute
+        self.views: dict[int, tuple] = {}  # output index -> (input index, size, stride, offset)
+        self.autocast = AutocastState()  # re-entered by the recomputation
+        self.produced: set[int] | None = None  # see CaptureMode
+        self.prof = None  # the remat_fn.profile() active at forward, if any
+        self.plain_bytes = 0  # what plain autograd would save (measured while profiling)
+        self.offload: FuncInputs | None = None  # inputs the policy offloads (remat_fn._offload)
+        self.tape: Tape | None = None  # the forward's ops (remat_fn._tape)
+        self.plan: set[int] | None = None  # the tape nodes the recomputation computes
+        self.outside: list = []  # (tensor, version) of the outside tensors the recomputation reads
+        self.written: dict = {}  # storages the forward wrote -> their copy before (Tape.pre_write)
+        # Backward from the forward's own graph: the hooks path's frame whose handles the
+        # graph saved (None: backward re-runs the function), that graph (the forward
+        # level's vjp_fn), its differentiated outputs' metadata, each Function output's
+        # position among them, and the inputs it differentiates
+        self.frame = None
+        self.graph = None
+        self.dmeta: list = []
+        self.dpos: list = []
+        self.wrt: list[int] = []
+        self.levels: dict | None = None  # the transforms active at the call (see needs_grad)
+        # (id of the caller's object, index) of the inputs a closure reads too: substituted like captured tensors
+        self.aliases: list[tuple[int, int]] = []
+        # the forward level's graph (its outputs' nodes, until checked), the ids of the plain tensors below the
+        # Function's inputs, whether it holds a custom autograd.Function (whose forward's ops autograd does not differentiate)
+        self.roots: list = []
+        self.bases: list[int] = []
+        self.foreign: bool | None = None
+        self.out_values: list | None = None  # the outputs as the tape knows them (see _replay_live)
+        self.vmapped = False  # a vmap is active at the call
+        self.replay = False  # a nested region: its backward replays the recorded forward
+        self.widen: list[bool] = []  # per vmap level: something outside differentiates (see batched_outputs)
+
+    def refs_to(self, t) -> int:
+        """The Python references to ``t`` this call keeps after its forward (see note_region_inputs)."""
+        return sum(c is t for c in self.captured) + self.reach.refs_to(t)
+
+    def call(self, tensors, known: set[int] | None):
+        """Run the region on ``tensors`` (inputs then captured replacements)."""
+        if known is None:  # a recomputation: put functional_call's tensors back; the
+            # buffers the forward wrote (BatchNorm's statistics) as private copies
+            copies: dict = {}
+            with self.reach.relocated(private_copies(self.reach.tensors.values(), self.written, copies)), \
+                    PrivateWrites(self.written, copies) if self.written else _NULL:
+                return self._call(tensors, known)
+        return self._call(tensors, known)
+
+    def _call(self, tensors, known):
+        n = self.n_in
+        subst = {id(o): r for o, r in zip(self.captured, tensors[n:])}
+        for i, k in self.aliases:
+            subst.setdefault(i, tensors[k])
+        recompute = known is None
+        if recompute:
+            self.trace.rewind()
+        args = [tensors[k] for k in self.expand]  # the same object where the caller passed one twice
+        mode = CaptureMode(subst, known, self.trace, self.name, None if recompute else self.produced,
+                           inputs=() if recompute else tensors[:n],
+                           grab=self.escapes if recompute else None,
+                           late={at: id(o) for o, at in self.side_objs} if recompute else None)
+        mode.levels = self.levels
+        with mode:
+            outs, rebuild = self.run(args)
+            # A captured tensor returned as is never went through an op.
+            outs = tuple(mode._fix(o) for o in outs)
+        if not recompute:
+            self.fwd_hits = mode.hits
+            self.foreign = mode.opaque or None  # (.data, hooks, autograd inside: see CaptureMode)
+            self.escaped = mode.escaped(outs)
+            return outs, rebuild
+        self.trace.finish(self.name)
+        if mode.grabbed.keys() != {(c, i) for c, ii in self.escapes.items() for i in ii}:
+            raise RecomputeMismatchError(
+                f"Recomputing remat({self.name}) did not produce the tensors that left the forward "
+                "by a side channel (appended to a list, recorded by a hook). The function must run "
+                "the same torch calls in both runs: make control flow depend only on its arguments."
+            )
+        outs = outs + tuple(mode.grabbed[(c, i)] for c, ii in self.escapes.items() for i in ii)
+        out = (outs, rebuild)
+        lost = [o for o in self.captured if id(o) in self.fwd_hits - mode.hits and not self._copied_constant(o)]
+        if lost:
+            raise RematError(
+                f"remat({self.name}): the recomputation did not use the tensor "
+                f"{describe(lost[0])} that the forward used and that needs a gradient; its "
+                "gradient would be lost. It was probably reached through an object that changed "
+                "between forward and backward. Fix: pass the tensor to the function as an "
+                "argument instead of reaching it through an attribute."
+            )
+        return out
+
+    def _copied_constant(self, t) -> bool:
+        """True for a tensor the forward wrote in place (the re-run reads its private
+        copy, not the Function's input) that no transform active at the call
+        differentiates: a BatchNorm's running statistics under ``grad`` of ``grad``, which
+        the forward threaded because their levels were set aside there."""
+        return (storage_ptr(t) in self.written and not requires_grad_anywhere(t)
+                and not needs_grad(t, self.levels))

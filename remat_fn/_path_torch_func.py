@@ -40,13 +40,11 @@ from typing import Any
 
 import torch
 
-from ._autocast import AutocastState
 from ._budget import Measuring
-from ._captures import CaptureMode, MissedCapture, nested_in_forward, note_region_inputs, note_region_outputs, substituted
-from ._closures import Reachable, reachable_tensors
-from ._debug import CallTrace
+from ._captures import MissedCapture, nested_in_forward, note_region_inputs, note_region_outputs, substituted
+from ._closures import reachable_tensors
 from ._describe import describe
-from ._errors import RecomputeMismatchError, RematError
+from ._errors import RematError
 from ._func_graph import (
     KeepHandles,
     Unpack,
@@ -62,6 +60,7 @@ from ._func_outputs import alias_map, batched_outputs, rebuild, returned
 from ._func_semantics import (
     ForwardHook,
     NeedsGraph,
+    RegionState,
     check_lazy_outputs,
     check_unsure,
     checked_outputs,
@@ -87,14 +86,12 @@ from ._functorch import (
     is_vmap_kind,
     live_levels,
     needs_grad,
-    requires_grad_anywhere,
     storage_ptr,
     unwrap_all,
     unwrap_if_dead,
     version_alias,
 )
 from ._offload import FuncInputs, hint, input_offloads
-from ._ops import PrivateWrites, private_copies
 from ._path_hooks import Frame, finish_tape
 from ._profile import active, storage_bytes
 from ._record import Diverged, Record, recording_tapes, saving
@@ -112,138 +109,6 @@ _NULL = contextlib.nullcontext()
 _MAX_RETRIES = 256
 
 
-class _RegionState:
-    """One call's state on this path: everything the Function needs that is not a
-    tensor input (mutable: the forward fills in what backward reads)."""
-
-    __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "reach",
-                 "fwd_hits", "rec", "needs", "trace", "views", "autocast", "produced", "prof",
-                 "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
-                 "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
-                 "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "replay", "widen")
-
-    def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
-        self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
-        self.n_in = n_in  # distinct input tensors (the same tensor passed twice is one input)
-        self.expand = expand  # argument position -> index among the distinct inputs
-        self.grad_mode = torch.is_grad_enabled()  # what the function sees, as in plain code
-        # side outputs: {call index: positions} of the forward's tensors that left
-        # the region by a side channel, and the objects the caller holds (until
-        # they are swapped for the Function's outputs)
-        self.escapes: dict[int, list[int]] = {}
-        self.escaped: list = []
-        self.n_out = 0
-        self.diff: list[bool] = []  # which outputs are differentiable (as in plain code)
-        self.keep_graph = False  # the forward's vjp level keeps what autograd saves (see keep_nothing)
-        self.unsure: list = []  # weak refs to side-output candidates autograd also held
-        self.captured = captured
-        self.rng: RNGSnapshot | None = None
-        self.out_meta: list[tuple] | None = None
-        self.out_box: list = []
-        self.name = name
-        self.debug = debug
-        self.reach = reach
-        self.fwd_hits: set[int] = set()
-        self.rec = None  # remat_fn._record.Record when a policy is in force
-        self.needs: list[bool] = []  # which tensor inputs need a gradient
-        self.trace = CallTrace(where=debug)  # the forward's tensor ops, checked on recompute
-        self.views: dict[int, tuple] = {}  # output index -> (input index, size, stride, offset)
-        self.autocast = AutocastState()  # re-entered by the recomputation
-        self.produced: set[int] | None = None  # see CaptureMode
-        self.prof = None  # the remat_fn.profile() active at forward, if any
-        self.plain_bytes = 0  # what plain autograd would save (measured while profiling)
-        self.offload: FuncInputs | None = None  # inputs the policy offloads (remat_fn._offload)
-        self.tape: Tape | None = None  # the forward's ops (remat_fn._tape)
-        self.plan: set[int] | None = None  # the tape nodes the recomputation computes
-        self.outside: list = []  # (tensor, version) of the outside tensors the recomputation reads
-        self.written: dict = {}  # storages the forward wrote -> their copy before (Tape.pre_write)
-        # Backward from the forward's own graph: the hooks path's frame whose handles the
-        # graph saved (None: backward re-runs the function), that graph (the forward
-        # level's vjp_fn), its differentiated outputs' metadata, each Function output's
-        # position among them, and the inputs it differentiates
-        self.frame = None
-        self.graph = None
-        self.dmeta: list = []
-        self.dpos: list = []
-        self.wrt: list[int] = []
-        self.levels: dict | None = None  # the transforms active at the call (see needs_grad)
-        # (id of the caller's object, index) of the inputs a closure reads too: substituted like captured tensors
-        self.aliases: list[tuple[int, int]] = []
-        # the forward level's graph (its outputs' nodes, until checked), the ids of the plain tensors below the
-        # Function's inputs, whether it holds a custom autograd.Function (whose forward's ops autograd does not differentiate)
-        self.roots: list = []
-        self.bases: list[int] = []
-        self.foreign: bool | None = None
-        self.out_values: list | None = None  # the outputs as the tape knows them (see _replay_live)
-        self.vmapped = False  # a vmap is active at the call
-        self.replay = False  # a nested region: its backward replays the recorded forward
-        self.widen: list[bool] = []  # per vmap level: something outside differentiates (see batched_outputs)
-
-    def refs_to(self, t) -> int:
-        """The Python references to ``t`` this call keeps after its forward (see note_region_inputs)."""
-        return sum(c is t for c in self.captured) + self.reach.refs_to(t)
-
-    def call(self, tensors, known: set[int] | None):
-        """Run the region on ``tensors`` (inputs then captured replacements)."""
-        if known is None:  # a recomputation: put functional_call's tensors back; the
-            # buffers the forward wrote (BatchNorm's statistics) as private copies
-            copies: dict = {}
-            with self.reach.relocated(private_copies(self.reach.tensors.values(), self.written, copies)), \
-                    PrivateWrites(self.written, copies) if self.written else _NULL:
-                return self._call(tensors, known)
-        return self._call(tensors, known)
-
-    def _call(self, tensors, known):
-        n = self.n_in
-        subst = {id(o): r for o, r in zip(self.captured, tensors[n:])}
-        for i, k in self.aliases:
-            subst.setdefault(i, tensors[k])
-        recompute = known is None
-        if recompute:
-            self.trace.rewind()
-        args = [tensors[k] for k in self.expand]  # the same object where the caller passed one twice
-        mode = CaptureMode(subst, known, self.trace, self.name, None if recompute else self.produced,
-                           inputs=() if recompute else tensors[:n],
-                           grab=self.escapes if recompute else None)
-        mode.levels = self.levels
-        with mode:
-            outs, rebuild = self.run(args)
-            # A captured tensor returned as is never went through an op.
-            outs = tuple(mode._fix(o) for o in outs)
-        if not recompute:
-            self.fwd_hits = mode.hits
-            self.foreign = mode.opaque or None  # (.data, hooks, autograd inside: see CaptureMode)
-            self.escaped = mode.escaped(outs)
-            return outs, rebuild
-        self.trace.finish(self.name)
-        if mode.grabbed.keys() != {(c, i) for c, ii in self.escapes.items() for i in ii}:
-            raise RecomputeMismatchError(
-                f"Recomputing remat({self.name}) did not produce the tensors that left the forward "
-                "by a side channel (appended to a list, recorded by a hook). The function must run "
-                "the same torch calls in both runs: make control flow depend only on its arguments."
-            )
-        outs = outs + tuple(mode.grabbed[(c, i)] for c, ii in self.escapes.items() for i in ii)
-        out = (outs, rebuild)
-        lost = [o for o in self.captured if id(o) in self.fwd_hits - mode.hits and not self._copied_constant(o)]
-        if lost:
-            raise RematError(
-                f"remat({self.name}): the recomputation did not use the tensor "
-                f"{describe(lost[0])} that the forward used and that needs a gradient; its "
-                "gradient would be lost. It was probably reached through an object that changed "
-                "between forward and backward. Fix: pass the tensor to the function as an "
-                "argument instead of reaching it through an attribute."
-            )
-        return out
-
-    def _copied_constant(self, t) -> bool:
-        """True for a tensor the forward wrote in place (the re-run reads its private
-        copy, not the Function's input) that no transform active at the call
-        differentiates: a BatchNorm's running statistics under ``grad`` of ``grad``, which
-        the forward threaded because their levels were set aside there."""
-        return (storage_ptr(t) in self.written and not requires_grad_anywhere(t)
-                and not needs_grad(t, self.levels))
-
-
 def _is_diff(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
@@ -252,7 +117,7 @@ class _RematFunction(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(spec: _RegionState, *tensors: torch.Tensor):
+    def forward(spec: RegionState, *tensors: torch.Tensor):
         known = {id(t) for t in tensors}
         wrt = [i for i, n in enumerate(spec.needs) if n]
         if wrt:
@@ -343,6 +208,8 @@ class _RematFunction(torch.autograd.Function):
             spec.unsure = [refs[k] for k, t in enumerate(alive) if t is not None and k not in side]
             del refs  # a tensor with weak references cannot be swapped
             spec.escaped = [alive[k] for k in side]  # the caller's objects, swapped after apply
+            # (held: a re-run that reads one reads its own value instead, see CaptureMode)
+            spec.side_objs = [(alive[k], pos[k]) for k in side]
             spec.escapes = {}
             for k in side:
                 c, i = pos[k]
@@ -415,7 +282,7 @@ class _RematFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        spec: _RegionState = ctx.spec
+        spec: RegionState = ctx.spec
         if all(g is None for g in grads):  # no gradient flows in: nothing to recompute
             return (None,) * len(ctx.needs_input_grad)
         tensors = saved_inputs(ctx, spec)
@@ -456,7 +323,7 @@ class _RematFunction(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, _spec_tangent, *tangents):
-        spec: _RegionState = ctx.spec
+        spec: RegionState = ctx.spec
         tensors = saved_inputs(ctx, spec)
         wrt = [i for i, (t, tt) in enumerate(zip(tensors, tangents)) if tt is not None and _is_diff(t)]
         out_diff = ctx.out_diff
@@ -485,7 +352,7 @@ class _RematFunction(torch.autograd.Function):
 _RematFunction.forward.__signature__ = inspect.signature(_RematFunction.forward)  # type: ignore[attr-defined]
 
 
-def _replayable(spec: _RegionState) -> bool:
+def _replayable(spec: RegionState) -> bool:
     """The recorded forward can stand in for the function (see remat_fn._replay_live)."""
     if spec.out_values is None:
         return False
@@ -500,7 +367,7 @@ def _run_span(fun, name: str, opts, args: tuple):
     return run_torch_func(RegionCall(fun, name, opts, args, {}))
 
 
-def _rerun_vjp(spec: _RegionState, tensors, wrt, out_diff, detach: bool, cot, start: float):
+def _rerun_vjp(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot, start: float):
     """Backward by running the region again under ``torch.func.vjp`` (where no replay of
     the recorded forward stands in for it): the input gradients for ``cot``."""
     f = _recompute_fn(spec, tensors, wrt, out_diff)
@@ -523,7 +390,7 @@ def _rerun_vjp(spec: _RegionState, tensors, wrt, out_diff, detach: bool, cot, st
         return vjp_fn(cot)
 
 
-def _recompute_fn(spec: _RegionState, tensors, wrt, out_diff):
+def _recompute_fn(spec: RegionState, tensors, wrt, out_diff):
     """The region as a function of its differentiated inputs, returning its differentiable outputs."""
 
     def f(*diff_inputs):
@@ -567,7 +434,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
                 f"was {describe(captured[-1])}). Fix: pass the tensors the function differentiates "
                 "as explicit arguments."
             )
-        spec = _RegionState(call.run, len(inputs), captured, name, debug, reach, expand)
+        spec = RegionState(call.run, len(inputs), captured, name, debug, reach, expand)
         closed = substituted(captured)  # (what the Function gets; the function reads ``captured``)
         spec.produced, spec.keep_graph, spec.levels = produced, keep_graph, levels
         spec.aliases = [(id(t), k) for k, t in enumerate(given) if id(t) in reach.tensors]
