@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import sys
-import threading
 import weakref
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from ._ambient import AMBIENT
 from ._debug import CallTrace
 from ._describe import describe
 from ._errors import mutated_input
@@ -40,7 +40,6 @@ from ._functorch import (
     unwrap_all,
     unwrap_one,
 )
-from ._ops import CALL_GRAD
 from ._record import recording_tapes
 from ._region import region_depth
 from ._torch_internals import DisableFuncTorch, DisableTorchFunction, TorchDispatchMode, use_count
@@ -49,18 +48,11 @@ from ._unseen import note_alias
 __all__ = ["CaptureMode", "MissedCapture", "nested_in_forward", "note_region_inputs", "note_region_outputs", "substituted"]
 
 
-class _Recording(threading.local):
-    stack: tuple | list = ()  # the active CaptureModes, innermost last
-
-
-_recording = _Recording()
-
-
 def note_region_inputs(tensors, holder) -> None:
     """A region nested in a forward keeps these tensors (the tensors it closes over)
     for its backward: ``holder.refs_to(t)`` counts the Python references to ``t`` it
     holds after the enclosing forward (see :meth:`CaptureMode.escaped`)."""
-    for mode in _recording.stack:
+    for mode in AMBIENT.captures:
         if mode.made is not None:
             for t in tensors:
                 mode.held.setdefault(id(t), []).append(holder)
@@ -74,7 +66,7 @@ def substituted(tensors: list) -> list:
     function: without this, a nested region given a tensor its enclosing region closes
     over (a weight passed on to it) would get the caller's object, which the enclosing
     region's recomputation does not differentiate."""
-    for mode in reversed(_recording.stack):
+    for mode in reversed(AMBIENT.captures):
         subst = mode.subst
         if subst or mode.levels is not None:
             tensors = [mode._fix(t) if id(t) in subst else mode._set_aside(t) for t in tensors]
@@ -84,14 +76,14 @@ def substituted(tensors: list) -> list:
 def nested_in_forward() -> bool:
     """An enclosing region's forward is being recorded on the torch.func path (its
     side-output check will count the Python references to what this call keeps)."""
-    return any(mode.made is not None for mode in _recording.stack)
+    return any(mode.made is not None for mode in AMBIENT.captures)
 
 
 def note_region_outputs(tensors) -> None:
     """A nested region returned these tensors: for the enclosing region's
     :class:`CaptureMode` the call is one torch call that made them (no torch
     function sees the ``autograd.Function`` that produced them)."""
-    stack = _recording.stack
+    stack = AMBIENT.captures
     if stack:
         stack[-1].region_call(tensors)
 
@@ -249,16 +241,14 @@ class CaptureMode(TorchFunctionMode):
     def __enter__(self):
         if self._recorder is not None:
             self._recorder.__enter__()
-        if not _recording.stack:
-            _recording.stack = []
-        _recording.stack.append(self)
+        AMBIENT.captures.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            _recording.stack.pop()
+            AMBIENT.captures.pop()
             if self._recorder is not None:
                 self._recorder.__exit__(*exc)
 
@@ -354,12 +344,12 @@ class CaptureMode(TorchFunctionMode):
                                            and transforms_active())) and not _carry_grad(args, kwargs):
                 out = _write_below(func, a0, args, kwargs)
         if out is None:
-            grad = CALL_GRAD.value
-            CALL_GRAD.value = torch.is_grad_enabled()  # (what the tape records, see CALL_GRAD)
+            grad = AMBIENT.call_grad
+            AMBIENT.call_grad = torch.is_grad_enabled()  # (what the tape records, see call_grad_mode)
             try:
                 out = func(*args, **kwargs)
             finally:
-                CALL_GRAD.value = grad
+                AMBIENT.call_grad = grad
         if self.known is not None:
             self._note(out)
         if region_depth() == self.depth:

@@ -12,24 +12,16 @@ backward.
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any
 
 import torch
 
+from ._ambient import AMBIENT, SWITCHES
 from ._describe import describe_meta, user_frame
 from ._errors import RecomputeMismatchError
 from ._torch_internals import TorchDispatchMode
 
-__all__ = ["OpTrace", "CallTrace", "format_traces", "set_debug_enabled", "early_stop", "checks"]
-
-
-class _State(threading.local):
-    early_stop = True
-
-
-_state = _State()
-_debug_global: list[bool | None] = [None]
+__all__ = ["OpTrace", "CallTrace", "format_traces", "set_debug_enabled", "early_stop"]
 
 
 @contextlib.contextmanager
@@ -45,31 +37,24 @@ def set_debug_enabled(enabled: bool | None):
     """
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(f"set_debug_enabled expects True, False or None, got {enabled!r}")
-    prev = _debug_global[0]
-    _debug_global[0] = enabled
+    prev = SWITCHES.debug
+    SWITCHES.debug = enabled
     try:
         yield
     finally:
-        _debug_global[0] = prev
+        SWITCHES.debug = prev
 
 
 @contextlib.contextmanager
 def early_stop(enabled: bool):
     """Internal (used by :mod:`remat_fn.compat`): regions called in the block stop
     their recomputation early (``True``) or run it whole and check it strictly."""
-    prev = _state.early_stop
-    _state.early_stop = bool(enabled)
+    prev = AMBIENT.early_stop
+    AMBIENT.early_stop = bool(enabled)
     try:
         yield
     finally:
-        _state.early_stop = prev
-
-
-def checks(debug: bool) -> tuple[bool, bool]:
-    """``(debug, strict)`` for a region called now with ``debug=debug``."""
-    g = _debug_global[0]
-    debug = g if g is not None else bool(debug)
-    return debug, debug or not _state.early_stop
+        AMBIENT.early_stop = prev
 
 
 class OpTrace(TorchDispatchMode):

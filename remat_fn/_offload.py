@@ -29,7 +29,6 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 import weakref
 from typing import Any
@@ -38,6 +37,7 @@ import optree
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ._ambient import AMBIENT
 from ._functorch import C as _C
 from ._functorch import forward_mode_active, is_wrapped, storage_ptr, transform_stack, unwrap_one
 from ._functorch import unwrap_all as _base
@@ -50,12 +50,6 @@ __all__ = ["Offloader", "Stored", "Pool", "Arena", "POOL", "Meter", "stats", "re
            "meta_args", "unaliased", "report_inputs", "named_inputs", "offloads_names", "FuncInputs"]
 
 
-class _Local(threading.local):
-    tail: Any = None
-    request: Any = None
-
-
-_local = _Local()
 _no_torch_function = DisableTorchFunction
 _set_version = set_version_counter  # NOTE [version counters]
 
@@ -182,9 +176,9 @@ class Offloader:
             m.add(s.dst, nbytes)
         weakref.finalize(s, _release, block, s.dst, nbytes, ms)
         if not self.stored:
-            tail = _local.tail
+            tail = AMBIENT.offload_tail
             self.prev = tail
-            _local.tail = weakref.ref(self)
+            AMBIENT.offload_tail = weakref.ref(self)
         self.stored.append(weakref.ref(s))
         return s
 
@@ -440,12 +434,12 @@ def hooks_for_inputs(offloads: dict[int, Offload], offloader: Offloader):
 
 @contextlib.contextmanager
 def _request(d: Offload | None, offloader: Offloader):
-    prev = _local.request
-    _local.request = None if d is None else (d, offloader)
+    prev = AMBIENT.offload_request
+    AMBIENT.offload_request = None if d is None else (d, offloader)
     try:
         yield
     finally:
-        _local.request = prev
+        AMBIENT.offload_request = prev
 
 
 def requesting(outer, offloads: dict[int, Offload], offloader: Offloader):
@@ -463,10 +457,10 @@ def requesting(outer, offloads: dict[int, Offload], offloader: Offloader):
 
 def take_request():
     """The offload requested for the tensor being packed, as ``put(t) -> Stored``, or None."""
-    r = _local.request
+    r = AMBIENT.offload_request
     if r is None:
         return None
-    _local.request = None
+    AMBIENT.offload_request = None
     d, offloader = r
     return lambda t: offloader.put(t, torch.device(d.dst), d.contiguous, input=True)
 

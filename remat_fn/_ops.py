@@ -15,12 +15,12 @@ dispatch modes the user entered around the forward, as the forward's ops ran.  S
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any
 
 import optree
 import torch
 
+from ._ambient import AMBIENT
 from ._functorch import any_batched, unwrap_all
 from ._torch_internals import TorchDispatchMode, any_autocast_enabled, schema
 from ._torch_internals import mode_stack as _mode_stack
@@ -29,7 +29,7 @@ __all__ = [
     "op_info", "storage_key", "simple_args", "generator_of", "default_states", "devices_of", "held_copy",
     "no_autocast", "ALIASING", "SEQ", "draw", "run_recorded", "user_modes", "reenter", "written_tensors", "arg_shapes",
     "arg_meta", "has_storage", "PLAIN", "METADATA_ONLY", "single_output", "placeholder", "private_copies", "DECOMPOSED",
-    "copy_before_write", "DETACH", "PrivateWrites", "CALL_GRAD", "call_grad_mode", "BOOKKEEPING", "bookkeeping", "follow",
+    "copy_before_write", "DETACH", "PrivateWrites", "call_grad_mode", "bookkeeping", "follow",
 ]
 
 _NULL = contextlib.nullcontext()
@@ -230,7 +230,7 @@ def draw(node, func, args, kwargs):
     if node.probe is not None or (op_info(func)[6] is None and func not in DECOMPOSED):
         return func(*args, **kwargs)
     mine = _private(g, state)
-    drawing = _DRAWING.stack
+    drawing = AMBIENT.draws
     drawing.append((mine, node))
     try:
         out = _with_generator(node.func, args, kwargs, mine)
@@ -243,15 +243,9 @@ def draw(node, func, args, kwargs):
     return out
 
 
-class _Drawing(threading.local):
-    def __init__(self):
-        # (private generator, node) of each draw running on this thread: a draw inside
-        # another is an enclosing region's, of the op the other issued (its own generator
-        # comes down as another Python object: the stack, not identity, pairs them)
-        self.stack: list = []
-
-
-_DRAWING = _Drawing()
+# (AMBIENT.draws: (private generator, node) of each draw running on this thread: a draw
+# inside another is an enclosing region's, of the op the other issued (its own generator
+# comes down as another Python object: the stack, not identity, pairs them))
 
 
 def follow(node, args, kwargs) -> None:
@@ -262,7 +256,7 @@ def follow(node, args, kwargs) -> None:
     generator, which the replay neither reads nor moves (a second draw would read the first
     one's state again).  They take the state the forward drew from, and the private
     generator moves on as the forward's did."""
-    drawing = _DRAWING.stack
+    drawing = AMBIENT.draws
     rng = node.rng
     if not drawing or rng is None or len(rng) < 3 or (node.shapes is not None and node.shapes != arg_shapes(args, kwargs)):
         return  # (no nested draw running, or this op ran live, from its live arguments)
@@ -432,37 +426,23 @@ class PrivateWrites(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-class _CallGrad(threading.local):
-    value: bool | None = None
-
-
-# The grad mode of the torch call the function is making (set by the torch.func path's
-# CaptureMode, above every functorch layer): below them, functorch shows its own level's
-# mode instead (off inside the region's Function), where the function's ``no_grad`` and a
-# custom autograd.Function's forward cannot be told from the rest.
-CALL_GRAD = _CallGrad()
-
-
 def call_grad_mode() -> bool:
-    """The grad mode the op being dispatched was called under (see CALL_GRAD)."""
-    v = CALL_GRAD.value
+    """The grad mode the op being dispatched was called under: ``AMBIENT.call_grad``, set by
+    the torch.func path's CaptureMode, above every functorch layer, for the torch call the
+    function is making (below them, functorch shows its own level's mode instead, off inside
+    the region's Function, where the function's ``no_grad`` and a custom autograd.Function's
+    forward cannot be told from the rest); grad mode where none is set."""
+    v = AMBIENT.call_grad
     return torch.is_grad_enabled() if v is None else v
-
-
-class _Bookkeeping(threading.local):
-    depth = 0
-
-
-# > 0 while a tape makes its own copies inside a dispatch handler (a storage's contents
-# before a write, a random op's held outputs): an enclosing region's recording lets them
-# through (they are no op of its function), the memory meters still see them
-BOOKKEEPING = _Bookkeeping()
 
 
 @contextlib.contextmanager
 def bookkeeping():
-    BOOKKEEPING.depth += 1
+    """A tape makes its own copies inside a dispatch handler (a storage's contents before a
+    write, a random op's held outputs): an enclosing region's recording lets them through
+    (they are no op of its function), the memory meters still see them."""
+    AMBIENT.bookkeeping += 1
     try:
         yield
     finally:
-        BOOKKEEPING.depth -= 1
+        AMBIENT.bookkeeping -= 1

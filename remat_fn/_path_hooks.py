@@ -22,6 +22,7 @@ from typing import Any
 import optree
 import torch
 
+from ._ambient import AMBIENT
 from ._autocast import AutocastState
 from ._budget import Measuring
 from ._closures import reachable_tensors
@@ -31,10 +32,9 @@ from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._functorch import forward_mode_active, storage_ptr
 from ._offload import hooks_for_inputs, input_offloads, named_inputs, report_inputs, requesting, unaliased
 from ._ops import PLAIN
-from ._profile import active, storage_bytes, timer
+from ._profile import storage_bytes, timer
 from ._record import Record, paused, saving
 from ._region import RegionCall
-from ._residuals import residual_sink
 from ._rng_state import RNGSnapshot
 from ._tape import Tape
 from ._torch_internals import hooks_enabled
@@ -442,7 +442,7 @@ def run_with_hooks(call: RegionCall) -> Any:
     preserve_rng_state = call.opts.preserve_rng_state
     frame = Frame(fun, args, kwargs, name, debug)
     frame.strict = call.strict or debug
-    prof = active()
+    prof = AMBIENT.profiles[-1] if AMBIENT.profiles else None  # (remat_fn.profile(), innermost)
     if prof is not None:
         frame.prof, frame.prof_saved, start = prof, [], time.perf_counter()
     outer = _top_hooks(False)
@@ -512,7 +512,7 @@ def run_with_hooks(call: RegionCall) -> Any:
         # torch.func.functional_call) they are swapped back before backward.
         others = [x for x in leaves if not isinstance(x, torch.Tensor)]
         frame.reach = reachable_tensors((fun, others) if others else fun)
-        offl = frame.offload_ids = unaliased(frame.offload_ids, tensors, out)
+        offl = frame.offload_ids = unaliased(frame.offload_ids, tensors, out) if frame.offload_ids else {}
         store = _input_hooks(outer, offl, frame.rec)
         if store is not None:  # (the inputs come back with the recomputation)
             frame.stash_inputs(store)
@@ -566,7 +566,7 @@ def finish_tape(frame: Frame, tensors, out, outer, full=None) -> None:
         used_outside = used_outside | every[2]
     frame.run = run
     frame.kept = {id(v) for v in used_kept}
-    offl = frame.offload_ids = unaliased(frame.offload_ids, tensors, out)
+    offl = frame.offload_ids = unaliased(frame.offload_ids, tensors, out) if frame.offload_ids else {}
     store = _input_hooks(outer, offl, rec)
     if store is not None:
         by_id: dict[int, list] = {}
@@ -618,7 +618,7 @@ def _finish_record(rec: Record, tensors, offl, out, outer, tape=None, roots=()) 
     rec.producer = {}
     if isinstance(rec.policy, Measuring):
         rec.policy.finish(tape=tape, roots=roots)
-    sink = residual_sink()
+    sink = AMBIENT.residuals  # (remat_fn.saved_residuals collecting)
     if sink is not None:
         for key, _, t, kind, nm in rec.kept():
             sink.append((t, kind, nm, f"aten.{key[0].overloadpacket.__name__}"))

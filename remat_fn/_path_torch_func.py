@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from ._ambient import AMBIENT
 from ._budget import Measuring
 from ._captures import MissedCapture, nested_in_forward, note_region_inputs, note_region_outputs, substituted
 from ._closures import reachable_tensors
@@ -93,7 +94,7 @@ from ._functorch import (
 )
 from ._offload import FuncInputs, hint, input_offloads
 from ._path_hooks import Frame, finish_tape
-from ._profile import active, storage_bytes
+from ._profile import storage_bytes
 from ._record import Diverged, Record, recording_tapes, saving
 from ._region import RegionCall, region_depth
 from ._replay_live import CannotReplay, output_value, replay_fn
@@ -419,7 +420,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     snap = RNGSnapshot(devices) if call.opts.preserve_rng_state else None
     # storages made inside the region (recorded on retries, and from the start where the function calls torch.func)
     produced = set() if calls_torch_func else None
-    prof = active()
+    prof = AMBIENT.profiles[-1] if AMBIENT.profiles else None  # (remat_fn.profile(), innermost)
     start = time.perf_counter() if prof is not None else 0.0
     grad_mode = torch.is_grad_enabled()
     keep_graph = calls_torch_func

@@ -33,17 +33,13 @@ from typing import Any
 
 import torch
 
+from ._ambient import AMBIENT
 from ._functorch import unwrap_all
 
 __all__ = ["profile", "Profile", "RegionStats", "RegionName", "region_name", "active", "storage_bytes",
            "timer"]
 
 
-class _Local(threading.local):
-    stack: list | None = None
-
-
-_local = _Local()
 
 
 class RegionName(str):
@@ -179,16 +175,11 @@ class Profile:
         return self.table()
 
     def __enter__(self) -> Profile:
-        stack = _local.stack
-        if stack is None:
-            stack = _local.stack = []
-        stack.append(self)
+        AMBIENT.profiles.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        stack = _local.stack
-        assert stack is not None  # (entered)
-        stack.remove(self)
+        AMBIENT.profiles.remove(self)
 
 
 def profile() -> Profile:
@@ -204,7 +195,7 @@ def profile() -> Profile:
 
 def active() -> Profile | None:
     """The innermost active profile of this thread, or None (cheap to ask)."""
-    stack = _local.stack
+    stack = AMBIENT.profiles
     return stack[-1] if stack else None
 
 

@@ -16,13 +16,13 @@ Nothing here touches the global RNG: every sample is drawn with an explicit
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ._ambient import AMBIENT
 from ._functorch import is_wrapped, transforms_active
 from ._torch_internals import dispatch_stack_len, function_mode_enabled, tree_leaves
 
@@ -163,14 +163,6 @@ _STATE_WORDS = slice(3, 3 + _MT_N)  # int64 view of CPUGeneratorImplState
 _SECOND_HALF_TWEAK = 0x9E3779B9
 
 
-class _ThreadState(threading.local):
-    def __init__(self) -> None:
-        self.generators: dict[torch.device, torch.Generator] = {}
-        self.scratch: torch.Generator | None = None
-        self.buffer: Tensor | None = None
-
-
-_tls = _ThreadState()
 
 
 @functools.lru_cache(maxsize=1)
@@ -211,17 +203,17 @@ def cpu_state_from_seed(s: int) -> Tensor:
     64 seed bits, the sum is not GF(2)-linear (unlike MT itself), and seeds
     that share one half still get states that differ in every word.
     """
-    tls = _tls
+    tls = AMBIENT  # (this thread's scratch generator and buffer)
     scratch = tls.scratch
     if scratch is None:
         scratch = tls.scratch = torch.Generator(device="cpu")
-        tls.buffer = torch.empty(_MT_N, dtype=torch.int64)
+        tls.rng_buffer = torch.empty(_MT_N, dtype=torch.int64)
     state = _cpu_state_template().clone()
     words = state.view(torch.int64)[_STATE_WORDS]
     scratch.manual_seed(s >> 32)
     words.random_(0, 1 << 32, generator=scratch)
     scratch.manual_seed((s & MASK32) ^ _SECOND_HALF_TWEAK)
-    words.add_(tls.buffer.random_(0, 1 << 32, generator=scratch)).bitwise_and_(MASK32)
+    words.add_(tls.rng_buffer.random_(0, 1 << 32, generator=scratch)).bitwise_and_(MASK32)
     return state
 
 
@@ -232,7 +224,7 @@ def generator_for(key: Tensor, device: torch.device) -> torch.Generator | None:
         return None  # shapes only: nothing is drawn
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    gens = _tls.generators
+    gens = AMBIENT.generators
     g = gens.get(device)
     if g is None:
         g = gens[device] = torch.Generator(device=device)

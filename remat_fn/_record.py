@@ -15,7 +15,6 @@ they are all sent back at once (asynchronously on CUDA, see :class:`Offloader`).
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 import weakref
 from typing import Any
@@ -23,13 +22,13 @@ from typing import Any
 import optree
 import torch
 
+from ._ambient import AMBIENT
 from ._describe import describe
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError
 from ._functorch import forward_mode_active, storage_ptr
 from ._functorch import unwrap_all as _base
 from ._offload import Offloader, Stored, hint, meta_args, tag_name
-from ._ops import BOOKKEEPING, DETACH, METADATA_ONLY, arg_meta, arg_shapes, draw, follow, placeholder, run_recorded, single_output, user_modes
-from ._residuals import residual_sink
+from ._ops import DETACH, METADATA_ONLY, arg_meta, arg_shapes, draw, follow, placeholder, run_recorded, single_output, user_modes
 from ._tape import redirect_writes
 from ._torch_internals import DisableTorchFunction, TorchDispatchMode, dispatch_stack_len, schema
 from ._torch_internals import version as version_of
@@ -38,16 +37,11 @@ from .policies import NAMED, Offload, PolicyContext, decide
 __all__ = ["Record", "SaveMode", "saving", "paused", "checkpoint_name", "Diverged", "recording_tapes"]
 
 
-class _Local(threading.local):
-    stack: list | None = None
-
-
-_local = _Local()
 
 
 def recording_tapes() -> list:
     """The tapes the enclosing regions' forwards record (a nested region marks its span there)."""
-    return [m.tape for m in _local.stack or () if m.tape is not None and not m.recompute]
+    return [m.tape for m in AMBIENT.tapes if m.tape is not None and not m.recompute]
 
 
 def _kept(out):
@@ -482,10 +476,7 @@ class SaveMode(TorchDispatchMode):
     def __enter__(self):
         if self.around is not None:
             self.around.__enter__()
-        stack = _local.stack
-        if stack is None:
-            stack = _local.stack = []
-        stack.append(self)
+        AMBIENT.tapes.append(self)
         if self.tape is not None and not self.recompute and dispatch_stack_len():
             self.tape.modes = user_modes()  # (the replay runs through them again, see Tape.replay)
         return super().__enter__()
@@ -494,7 +485,7 @@ class SaveMode(TorchDispatchMode):
         try:
             return super().__exit__(*exc)
         finally:
-            _local.stack.pop()
+            AMBIENT.tapes.pop()
             if self.around is not None:
                 self.around.__exit__(*exc)
 
@@ -505,7 +496,7 @@ class SaveMode(TorchDispatchMode):
             return self._dispatch(func, args, kwargs or {})
 
     def _dispatch(self, func, args, kwargs):
-        if BOOKKEEPING.depth:  # (a nested region's tape copying: no op of this region)
+        if AMBIENT.bookkeeping:  # (a nested region's tape copying: no op of this region)
             return func(*args, **kwargs)
         rec = self.rec
         tape = self.tape
@@ -578,7 +569,7 @@ class SaveMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if node.held is not None:  # (a random op whose outputs the tape holds)
             return run_recorded(node, args, kwargs)
-        needed = rec.seq_nodes[pos] in plan or func.is_view or func.overloadpacket in METADATA_ONLY or _local.stack[-1] is not self
+        needed = rec.seq_nodes[pos] in plan or func.is_view or func.overloadpacket in METADATA_ONLY or AMBIENT.tapes[-1] is not self
         kept = rec.entries.get(key) is not None
         if node.writes and (needed or kept):  # writes into tensors from outside go to copies of what the forward read
             args, kwargs = redirect_writes(node, args, kwargs)
@@ -631,12 +622,12 @@ def checkpoint_name(x: Any, name: str) -> Any:
     for t in optree.tree_leaves(x):
         if isinstance(t, torch.Tensor):
             tag_name(t, name)  # asked about when it enters a region (offload_inputs, name policies)
-    sink = residual_sink()
+    sink = AMBIENT.residuals  # (remat_fn.saved_residuals collecting)
     if sink is not None:  # saved_residuals is running: report the name, as JAX does
         for t in optree.tree_leaves(x):
             if isinstance(t, torch.Tensor):
                 sink.append((_base(t), "named", name, None))
-    stack = _local.stack
+    stack = AMBIENT.tapes
     if stack:
         mode = stack[-1]
         if not mode.recompute and mode.rec is not None and mode.rec.policy is not None:

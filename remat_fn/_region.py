@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,8 +26,8 @@ from typing import Any
 import optree
 import torch
 
+from ._ambient import AMBIENT, SWITCHES
 from ._budget import BudgetPlanner
-from ._debug import checks
 from ._pytree import flatten_output
 from ._rng_state import devices_of
 from .policies import memory_budget, normalize_policy
@@ -146,15 +145,20 @@ class RegionCall:
     def debug(self) -> bool:
         """Record op traces for this call (``debug=`` or the global switch)."""
         if self._checks is None:
-            self._checks = checks(self.opts.debug)
+            self._checks = self._read_checks()
         return self._checks[0]
 
     @property
     def strict(self) -> bool:
         """Run recomputations whole and check them completely (no early stop)."""
         if self._checks is None:
-            self._checks = checks(self.opts.debug)
+            self._checks = self._read_checks()
         return self._checks[1]
+
+    def _read_checks(self) -> tuple[bool, bool]:
+        g = SWITCHES.debug  # (remat_fn.set_debug_enabled: over every region's debug=)
+        debug = g if g is not None else bool(self.opts.debug)
+        return debug, debug or not AMBIENT.early_stop
 
     @property
     def calls_torch_func(self) -> bool:
@@ -278,26 +282,21 @@ class RegionCall:
         return outs, rebuild
 
 
-class _Nesting(threading.local):
-    depth = 0
-
-
-_nesting = _Nesting()
 
 
 def region_depth() -> int:
     """How many remat regions this thread is inside of (see :func:`entered`)."""
-    return _nesting.depth
+    return AMBIENT.depth
 
 
 class _Entered:
     __slots__ = ()
 
     def __enter__(self):
-        _nesting.depth += 1
+        AMBIENT.depth += 1
 
     def __exit__(self, *exc):
-        _nesting.depth -= 1
+        AMBIENT.depth -= 1
 
 
 _ENTERED = _Entered()

@@ -17,26 +17,21 @@ over), ``"saved"`` (an intermediate value) or ``"offloaded"``.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any
 
 import optree
 import torch
 
+from ._ambient import AMBIENT
 from ._closures import reachable_tensors
 from ._describe import describe_meta, user_frame
 from ._errors import RematError
 from ._functorch import transforms_active
 from ._torch_internals import TorchDispatchMode, schema
 
-__all__ = ["Residual", "saved_residuals", "print_saved_residuals", "residual_sink"]
+__all__ = ["Residual", "saved_residuals", "print_saved_residuals"]
 
 
-class _Local(threading.local):
-    sink: list | None = None
-
-
-_local = _Local()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +61,6 @@ class Residual:
 
 
 _UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
-
-
-def residual_sink():
-    """The active recorder's list, or None (used by regions to report offloads and names)."""
-    return _local.sink
 
 
 class _Producers(TorchDispatchMode):
@@ -158,14 +148,14 @@ def saved_residuals(fun: Any, *args: Any, **kwargs: Any) -> list[Residual]:
         kept.append(t)
         return t
 
-    prev = _local.sink
-    _local.sink = sink
+    prev = AMBIENT.residuals
+    AMBIENT.residuals = sink
     prod = _Producers(closures)
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), prod:
             out = fun(*a, **kw)
     finally:
-        _local.sink = prev
+        AMBIENT.residuals = prev
     del out
 
     names: dict[int, str] = {}
