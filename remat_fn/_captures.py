@@ -50,8 +50,8 @@ __all__ = ["CaptureMode", "MissedCapture", "nested_in_forward", "note_region_inp
 
 def note_region_inputs(tensors, holder) -> None:
     """A region nested in a forward keeps these tensors (the tensors it closes over)
-    for its backward: ``holder.refs_to(t)`` counts the Python references to ``t`` it
-    holds after the enclosing forward (see :meth:`CaptureMode.escaped`)."""
+    for its backward: ``holder.refs_to(t, cells)`` counts the Python references to ``t``
+    it holds after the enclosing forward (see :meth:`CaptureMode.escaped`)."""
     for mode in AMBIENT.captures:
         if mode.made is not None:
             for t in tensors:
@@ -276,7 +276,8 @@ class CaptureMode(TorchFunctionMode):
                 # Held by Python beyond what remat's own objects hold (a nested region's tables
                 # of the tensors it closes over): it left by a side channel.  (One autograd holds
                 # and nothing in Python does, the base of a view a nested region saved, did not.)
-                own = sum(h.refs_to(t) for h in self.held.get(id(t), ()))
+                cells: set = set()
+                own = sum(h.refs_to(t, cells) for h in self.held.get(id(t), ())) + len(cells)
                 if sys.getrefcount(t) - own > (_ONLY_CPP if use_count(t) > 1 else _ONLY_PY):
                     out_ids.add(id(t))
                     found.append(((call, pos), t))

@@ -78,15 +78,18 @@ class Reachable:
                 versions.append((t, v))
         self.versions = versions
 
-    def refs_to(self, t: torch.Tensor) -> int:
-        """The Python references to ``t`` this walk holds (its tables, and the closure
-        cells it found ``t`` in, which the function it walked holds) (see
-        ``CaptureMode.escaped``).  A dict it found ``t`` in (a module's, globals) is
-        the caller's: not counted."""
+    def refs_to(self, t: torch.Tensor, cells: set) -> int:
+        """The Python references to ``t`` this walk's tables hold (see
+        ``CaptureMode.escaped``); the closure cells holding ``t`` now, which the
+        function it walked holds, are added to ``cells`` (ids: a cell two walks found,
+        or two functions share, holds one reference).  A dict it found ``t`` in (a
+        module's, globals) is the caller's: not counted."""
         n = int(self.tensors.get(id(t)) is t)
-        for _, key, u in self.places:
+        for container, key, u in self.places:
             if u is t:
-                n += 2 if key is None else 1
+                n += 1
+                if key is None and _contents(container) is t:
+                    cells.add(id(container))
         return n + sum(u is t for u, _ in self.versions)
 
     def check_versions(self, name: str) -> None:
@@ -150,6 +153,13 @@ class Reachable:
 
 
 _EMPTY = object()
+
+
+def _contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # (an empty cell)
+        return _EMPTY
 
 
 def _managed(t: torch.Tensor) -> bool:

@@ -425,9 +425,10 @@ class RegionState:
         self.replay = False  # a nested region: its backward replays the recorded forward
         self.widen: list[bool] = []  # per vmap level: something outside differentiates (see batched_outputs)
 
-    def refs_to(self, t) -> int:
-        """The Python references to ``t`` this call keeps after its forward (see note_region_inputs)."""
-        return sum(c is t for c in self.captured) + self.reach.refs_to(t)
+    def refs_to(self, t, cells: set) -> int:
+        """The Python references to ``t`` this call keeps after its forward (see note_region_inputs;
+        the closure cells holding it go to ``cells``)."""
+        return sum(c is t for c in self.captured) + self.reach.refs_to(t, cells)
 
     def call(self, tensors, known: set[int] | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""

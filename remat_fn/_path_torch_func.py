@@ -510,6 +510,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     held = spec.escaped  # (the caller's objects: an enclosing region sees them made by this call too)
     if side:
         connect_side_outputs(spec, side)
+        if _replayable(spec) and spec.tape is not None and not any(nd is not None and nd.rng is not None for nd in spec.tape.nodes):
+            spec.side_objs = []  # (no run again reads them: the caller's objects are not kept)
     del side  # the forward's side tensors (now in these objects) die here, with their history
     if spec.unsure:
         check_unsure(spec)
