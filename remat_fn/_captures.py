@@ -314,7 +314,10 @@ class CaptureMode(TorchFunctionMode):
         elif self.grab is not None and call in self.grab:
             made = dict(self._made_tensors(out, args))
             for i in self.grab[call]:
-                t = self.grabbed[(call, i)] = made[i]
+                t = made.get(i)
+                if t is None:  # (not this run's call: RegionState.call reports the mismatch)
+                    continue
+                self.grabbed[(call, i)] = t
                 obj = self.late.get((call, i)) if self.late else None
                 if obj is not None:  # (the forward's side output, read later in this run: this run's)
                     self.subst[obj] = t

@@ -468,7 +468,10 @@ class RegionState:
             raise RecomputeMismatchError(
                 f"Recomputing remat({self.name}) did not produce the tensors that left the forward "
                 "by a side channel (appended to a list, recorded by a hook). The function must run "
-                "the same torch calls in both runs: make control flow depend only on its arguments."
+                "the same torch calls in both runs: make control flow depend only on its arguments. "
+                "(A side output of a region nested in it, where this recomputation runs that region "
+                "as plain code (forward mode, debug=True), is not found either: call the nested "
+                "region outside, or without debug=True.)"
             )
         outs = outs + tuple(mode.grabbed[(c, i)] for c, ii in self.escapes.items() for i in ii)
         out = (outs, rebuild)
