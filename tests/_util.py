@@ -136,3 +136,27 @@ class STE(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, t):
         return t
+
+
+class Square(torch.autograd.Function):
+    """``x * x`` as a custom ``autograd.Function`` (with a forward-mode rule and torch's generated
+    vmap rule): inside a region, backward runs the function again where an outer transform
+    differentiates it (its backward, not its forward's ops, is what autograd differentiates)."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * ctx.saved_tensors[0] * g
+
+    @staticmethod
+    def jvp(ctx, t):
+        return 2 * ctx.saved_tensors[0] * t

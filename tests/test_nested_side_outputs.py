@@ -19,7 +19,7 @@ from torch.func import vjp
 
 from remat_fn import RematError, remat
 
-from ._util import assert_tree_close, two_argument_transforms
+from ._util import Square, assert_tree_close, two_argument_transforms
 
 D = torch.float64
 _g = torch.Generator().manual_seed(0)
@@ -114,29 +114,6 @@ def test_nested_argument_also_in_a_list(passed, transform):
     assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
 
 
-class _Square(torch.autograd.Function):  # (a custom Function inside: backward runs the function again)
-    @staticmethod
-    def forward(x):
-        return x * x
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
-        ctx.save_for_forward(inputs[0])
-
-    @staticmethod
-    def backward(ctx, g):
-        return 2 * ctx.saved_tensors[0] * g
-
-    @staticmethod
-    def jvp(ctx, t):
-        return 2 * ctx.saved_tensors[0] * t
-
-    @staticmethod
-    def vmap(info, in_dims, x):
-        return x * x, in_dims[0]
-
-
 _RERUN_BY = {  # what makes backward run the function again (docs/design.md, "still runs again")
     "vmap_grad": ({}, False),
     "custom_function_inside": ({}, True),
@@ -159,7 +136,7 @@ def test_side_output_read_again_by_its_region(rerun_by, transform):
         def f(x):
             h = torch.sin(x * w)
             if custom:
-                h = _Square.apply(h)
+                h = Square.apply(h)
             side.append(h)
             return side[0] * 2 + h
 

@@ -14,7 +14,7 @@ from remat_fn import policies, remat, saved_residuals
 from remat_fn.memory import LiveBytes
 from remat_fn.nn import apply_remat, is_remat_module, remat_module, unremat_module
 
-from ._util import assert_tree_close
+from ._util import Square, assert_tree_close
 
 
 class Block(torch.nn.Module):
@@ -372,24 +372,7 @@ class _BNNet(torch.nn.Module):
 
     def forward(self, h):
         out = self.bn(self.b2(self.b1(h)))
-        return _Square.apply(out) if self.foreign else out.sin()
-
-
-class _Square(torch.autograd.Function):  # (inside the outer region: its backward re-runs the function)
-    # (the re-run runs under jacrev's vmap: on torch 2.15 a Function there needs a vmap rule)
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return x * x
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
-
-    @staticmethod
-    def backward(ctx, g):
-        return 2 * ctx.saved_tensors[0] * g
+        return Square.apply(out) if self.foreign else out.sin()
 
 
 def _bn_second_order(net, how, params, bufs, x):
