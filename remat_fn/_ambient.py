@@ -37,7 +37,9 @@ class _Ambient(threading.local):
         # value of a chain (remat_fn._offload)
         self.offload_request: Any = None
         self.offload_tail: Any = None
-        # (private generator, node) of each draw running (remat_fn._ops.draw)
+        # (private generator, node) of each draw running (remat_fn._ops.draw): a draw inside
+        # another is an enclosing region's, of the op the other issued (its own generator comes
+        # down as another Python object: the stack, not identity, pairs them)
         self.draws: list = []
         # the grad mode of the torch call being made, set above every functorch layer
         # (remat_fn._captures; read by remat_fn._ops.call_grad_mode)

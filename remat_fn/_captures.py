@@ -276,8 +276,10 @@ class CaptureMode(TorchFunctionMode):
                 # Held by Python beyond what remat's own objects hold (a nested region's tables
                 # of the tensors it closes over): it left by a side channel.  (One autograd holds
                 # and nothing in Python does, the base of a view a nested region saved, did not.)
-                cells: set = set()
-                own = sum(h.refs_to(t, cells) for h in self.held.get(id(t), ())) + len(cells)
+                holders, own = self.held.get(id(t)), 0
+                if holders:
+                    cells: set = set()
+                    own = sum(h.refs_to(t, cells) for h in holders) + len(cells)
                 if sys.getrefcount(t) - own > (_ONLY_CPP if use_count(t) > 1 else _ONLY_PY):
                     out_ids.add(id(t))
                     found.append(((call, pos), t))

@@ -128,10 +128,7 @@ class Reachable:
             for container, key, t in self.places:
                 t = replace.get(id(t), t)
                 if key is None:
-                    try:
-                        cur = container.cell_contents
-                    except ValueError:
-                        cur = _EMPTY
+                    cur = _contents(container)
                     if cur is not t:
                         container.cell_contents = t
                         undo.append((container, key, cur))

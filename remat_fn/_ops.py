@@ -243,11 +243,6 @@ def draw(node, func, args, kwargs):
     return out
 
 
-# (AMBIENT.draws: (private generator, node) of each draw running on this thread: a draw
-# inside another is an enclosing region's, of the op the other issued (its own generator
-# comes down as another Python object: the stack, not identity, pairs them))
-
-
 def follow(node, args, kwargs) -> None:
     """A recomputation of an enclosing region gave random ``node`` its forward's numbers
     (replayed from its recorded state, or kept) where the op comes from a nested region's

@@ -500,7 +500,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         call.drop_tensors()  # (backward runs the function on the Function's saved inputs)
     reach.record_versions(kept, skip=spec.written)
     if prof is not None:
-        kept = [*(off.kept_inputs(inputs) if off is not None else inputs), *captured]
+        kept = [*kept, *captured]  # (version aliases share the inputs' storages)
         if spec.rec is not None:
             kept += [t for _, _, t, kind, _ in spec.rec.kept() if kind == "saved"]
         prof.record_call(name, time.perf_counter() - start, storage_bytes(kept), spec.plain_bytes,

@@ -36,7 +36,7 @@ import torch
 from ._ambient import AMBIENT
 from ._functorch import unwrap_all
 
-__all__ = ["profile", "Profile", "RegionStats", "RegionName", "region_name", "active", "storage_bytes",
+__all__ = ["profile", "Profile", "RegionStats", "RegionName", "region_name", "storage_bytes",
            "timer"]
 
 
@@ -191,12 +191,6 @@ def profile() -> Profile:
     table) or read ``prof.regions``.
     """
     return Profile()
-
-
-def active() -> Profile | None:
-    """The innermost active profile of this thread, or None (cheap to ask)."""
-    stack = AMBIENT.profiles
-    return stack[-1] if stack else None
 
 
 def storage_bytes(tensors: Iterable) -> int:

@@ -8,6 +8,11 @@ from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
+def ident(f):
+    """The plain function: what ``remat`` is compared with (``wrap=ident``)."""
+    return f
+
+
 def assert_tree_close(a, b, *, exact: bool = False, rtol=1e-6, atol=1e-7):
     la, ta = optree.tree_flatten(a, none_is_leaf=True)
     lb, tb = optree.tree_flatten(b, none_is_leaf=True)

@@ -19,16 +19,12 @@ from torch.func import grad, jacrev
 
 from remat_fn import policies, remat, remat_scan
 
-from ._util import assert_tree_close, two_argument_transforms
+from ._util import assert_tree_close, ident, two_argument_transforms
 
 D = torch.float64
 _g = torch.Generator().manual_seed(0)
 X = torch.randn(4, dtype=D, generator=_g)
 W = torch.randn(4, dtype=D, generator=_g)
-
-
-def ident(f):
-    return f
 
 
 TRANSFORMS = {k: v for k, v in two_argument_transforms(X, W).items() if k != "vmap_grad"}

@@ -19,16 +19,12 @@ from torch.func import vjp
 
 from remat_fn import RematError, remat
 
-from ._util import Square, assert_tree_close, two_argument_transforms
+from ._util import Square, assert_tree_close, ident, two_argument_transforms
 
 D = torch.float64
 _g = torch.Generator().manual_seed(0)
 X = torch.randn(3, dtype=D, generator=_g)
 W = torch.randn(3, dtype=D, generator=_g)
-
-
-def ident(f):
-    return f
 
 
 def _program(read_by_outer: bool):

@@ -15,7 +15,7 @@ from torch.func import grad, vjp
 
 from remat_fn import remat
 
-from ._util import assert_tree_close, one_argument_transforms
+from ._util import assert_tree_close, ident, one_argument_transforms
 
 D = torch.float64
 X = torch.tensor([0.3, -1.2, 2.0, 0.7], dtype=D)
@@ -24,10 +24,6 @@ W = (torch.arange(16, dtype=D).reshape(4, 4) / 10 - 0.7).requires_grad_()
 
 class TF(torch.Tensor):
     """A do-nothing ``__torch_function__`` subclass."""
-
-
-def ident(f):
-    return f
 
 
 _ALL = one_argument_transforms(X)
