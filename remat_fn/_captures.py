@@ -45,7 +45,8 @@ from ._region import region_depth
 from ._torch_internals import DisableFuncTorch, DisableTorchFunction, TorchDispatchMode, use_count
 from ._unseen import note_alias
 
-__all__ = ["CaptureMode", "MissedCapture", "nested_in_forward", "note_region_inputs", "note_region_outputs", "substituted"]
+__all__ = ["CaptureMode", "Known", "MissedCapture", "first_run_of_nested", "nested_in_forward", "note_region_inputs",
+           "note_region_outputs", "substituted", "swap_side_output"]
 
 
 def note_region_inputs(tensors, holder) -> None:
@@ -79,13 +80,73 @@ def nested_in_forward() -> bool:
     return any(mode.made is not None for mode in AMBIENT.captures)
 
 
-def note_region_outputs(tensors) -> None:
+def swap_side_output(t: torch.Tensor, o: torch.Tensor) -> None:
+    """``torch.utils.swap_tensors(t, o)``, where the enclosing regions know ``t`` or ``o`` (by a
+    weak reference, which the swap refuses): set aside for the swap, known again after it."""
+    held = [(k, [x for x in (t, o) if x in k]) for m in AMBIENT.captures if (k := m.known) is not None]
+    for k, xs in held:
+        for x in xs:
+            k.discard(x)
+    try:
+        torch.utils.swap_tensors(t, o)
+    finally:
+        for k, xs in held:
+            k.update(xs)
+
+
+def note_region_outputs(tensors, first=None) -> None:
     """A nested region returned these tensors: for the enclosing region's
     :class:`CaptureMode` the call is one torch call that made them (no torch
-    function sees the ``autograd.Function`` that produced them)."""
+    function sees the ``autograd.Function`` that produced them).  ``first``: the
+    call's side outputs as the caller holds them and the same for the regions nested
+    in it (see :attr:`CaptureMode.first`)."""
     stack = AMBIENT.captures
     if stack:
-        stack[-1].region_call(tensors)
+        stack[-1].region_call(tensors, first)
+
+
+def first_run_of_nested() -> tuple[list, dict | None]:
+    """For a region starting its forward inside an enclosing region that runs again: its
+    ``late`` and ``first`` (see :class:`CaptureMode`), as its first run left them (nothing
+    elsewhere)."""
+    stack = AMBIENT.captures
+    mode = stack[-1] if stack else None
+    if mode is None or not mode.first or region_depth() != mode.depth + 1:
+        return [], None
+    return mode.first.get(mode.calls, ([], None))
+
+
+class Known:
+    """The tensors a region may use freely, by identity.  Kept by ``id`` with a weak reference:
+    the id of a tensor that died inside the region comes back for a new tensor (a view
+    ``as_subclass`` made, which must be noted as one), and must not make it known."""
+
+    __slots__ = ("_refs",)
+
+    def __init__(self, tensors=()):
+        self._refs = {id(t): weakref.ref(t) for t in tensors}
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        r = self._refs.get(id(t))
+        return r is not None and r() is t
+
+    def add(self, t: torch.Tensor) -> None:
+        self._refs[id(t)] = weakref.ref(t)
+
+    def update(self, tensors) -> None:
+        for t in tensors:
+            self._refs[id(t)] = weakref.ref(t)
+
+    def discard(self, t: torch.Tensor) -> None:
+        self._refs.pop(id(t), None)
+
+    def clear(self) -> None:
+        """Forget them (a tensor with a weak reference cannot be swapped, see :meth:`CaptureMode.escaped`)."""
+        self._refs.clear()
+
+    def ids(self) -> frozenset[int]:
+        """The ids of the known tensors alive now."""
+        return frozenset(i for i, r in self._refs.items() if r() is not None)
 
 
 class MissedCapture(Exception):
@@ -101,7 +162,7 @@ class CaptureMode(TorchFunctionMode):
 
     Args:
         subst: ``id(original) -> replacement``.
-        known: ``id()`` of tensors that may be used freely (the region's
+        known: the tensors that may be used freely (:class:`Known`: the region's
             inputs); tensors produced inside the region are added as they
             appear.  ``None`` disables the safety net (a recomputation).
         trace: the region's :class:`CallTrace`: recorded in the forward,
@@ -114,9 +175,13 @@ class CaptureMode(TorchFunctionMode):
             tensors those calls produce are collected in :attr:`grabbed` (the
             values that left the forward by a side channel, see
             :meth:`escaped`).
-        late: ``{(call index, position): id}`` of the caller's objects holding those
-            values since the forward: a recomputation that reads one (``side[0]``,
-            appended earlier in the same run) reads the value it made instead.
+        late: ``(caller's object, (call index, position))`` of the objects holding the
+            values that left the first run by a side channel: a run again that reads
+            one (``side[0]``, appended earlier in the same run) reads the value it made
+            instead.  Also a nested region's forward inside a run again of the region
+            enclosing it (see :func:`first_run_of_nested`).
+        first: for a run again, ``{call index: (late, first)}`` of the regions nested
+            in the first run, which their fresh forwards in this run read.
 
     In the forward (``known`` given) every tensor a call produces that
     requires grad is remembered by weak reference and call index, so that
@@ -125,10 +190,11 @@ class CaptureMode(TorchFunctionMode):
     collection (Hugging Face records attentions that way).
     """
 
-    def __init__(self, subst: dict[int, torch.Tensor], known: set[int] | None,
+    def __init__(self, subst: dict[int, torch.Tensor], known: Known | None,
                  trace: CallTrace | None = None, name: str = "fn",
                  produced: set[int] | None = None, inputs: list[torch.Tensor] = (),
-                 grab: dict[int, list[int]] | None = None, late: dict[tuple[int, int], int] | None = None):
+                 grab: dict[int, list[int]] | None = None, late=(),
+                 first: dict | None = None):
         super().__init__()
         # Storages of the tensors the region's own aten ops made (recorded, on a
         # retry, by a dispatch mode below every functorch level): a tensor whose
@@ -142,13 +208,18 @@ class CaptureMode(TorchFunctionMode):
         self.name = name
         self.depth = region_depth()
         # the region's inputs (and their replacements), which it must not modify
-        self.inputs = frozenset(known) | {id(r) for r in subst.values()} if known is not None else None
+        self.inputs = known.ids() | {id(r) for r in subst.values()} if known is not None else None
         self.input_storages = {p for t in (*inputs, *subst.values()) if (p := storage_ptr(t)) is not None}
         self.calls = 0  # torch calls of this region (not of nested regions), in order
         self.made: list[tuple[int, int, weakref.ref]] | None = [] if known is not None else None
         self.grab = grab
         self.grabbed: dict[tuple[int, int], torch.Tensor] = {}
-        self.late = late
+        self.late: dict[tuple[int, int], list[int]] = {}
+        for o, at in late:
+            self.late.setdefault(at, []).append(id(o))
+        self.first = first
+        # in a forward: what the regions nested in it hand a run again of it (see first)
+        self.nested: dict[int, tuple] = {}
         self.held: dict[int, list] = {}  # see note_region_inputs
         # the transforms active where the region was called (set aside inside its Function's
         # forward: their wrappers are judged by them, see needs_grad)
@@ -164,7 +235,7 @@ class CaptureMode(TorchFunctionMode):
                 self.hits.add(id(x))
                 return r
             known = self.known
-            if known is not None and id(x) not in known and not self._inner(x):
+            if known is not None and x not in known and not self._inner(x):
                 a = self._alias_of_known(x)
                 if a is not None:
                     return a
@@ -199,8 +270,8 @@ class CaptureMode(TorchFunctionMode):
         t = x
         while is_wrapped(t):
             t = unwrap_one(t)
-            if id(t) in self.known or id(t) in self.subst:
-                self.known.add(id(x))
+            if t in self.known or id(t) in self.subst:
+                self.known.add(x)
                 return True
         return False
 
@@ -213,7 +284,7 @@ class CaptureMode(TorchFunctionMode):
         if b is None or b.dtype != x.dtype or (b.is_conj(), b.is_neg()) != (x.is_conj(), x.is_neg()):
             return None
         r = self.subst.get(id(b))
-        if r is None and id(b) not in self.known and not self._inner(b) and not self._made_inside(b):
+        if r is None and b not in self.known and not self._inner(b) and not self._made_inside(b):
             return None
         if r is not None:  # (torch calls inside a mode's handler skip the mode: the tapes record this one)
             if r.storage_offset() != b.storage_offset():
@@ -222,7 +293,7 @@ class CaptureMode(TorchFunctionMode):
             b, x = r, torch.Tensor.as_subclass(r, type(x)) if type(x) is not torch.Tensor else r
             if x is r:
                 return x
-        self.known.add(id(x))
+        self.known.add(x)
         px, pb = unwrap_all(x), unwrap_all(b)
         for tape in recording_tapes():
             if tape.reg is not None and tape.value_of(px) is None:
@@ -235,7 +306,7 @@ class CaptureMode(TorchFunctionMode):
         ptr = storage_ptr(x)
         made = ptr is not None and ptr in self.produced
         if made:
-            self.known.add(id(x))
+            self.known.add(x)
         return made
 
     def __enter__(self):
@@ -254,34 +325,39 @@ class CaptureMode(TorchFunctionMode):
 
     def _note(self, out: Any) -> None:
         if isinstance(out, torch.Tensor):
-            self.known.add(id(out))
+            self.known.add(out)
         elif isinstance(out, (tuple, list)):  # also torch.return_types and namedtuples
             for o in out:
                 self._note(o)
 
     def escaped(self, outs) -> list[tuple[tuple[int, int], torch.Tensor]]:
-        """The tensors the forward made that require grad, are not among ``outs``
-        and are still alive: they left the region by a side channel.  Returns
+        """The tensors the forward made that require grad and are still alive beyond
+        ``outs`` (held by the caller): they left the region by a side channel.  Returns
         ``((call index, position), tensor)`` pairs and forgets the weak refs
         (a tensor with weak references cannot be swapped, see
         :func:`torch.utils.swap_tensors`)."""
         made, self.made = self.made or [], None
-        out_ids = {id(o) for o in outs}
+        if self.known is not None:
+            self.known.clear()
+        # (an output the caller also keeps, ``side.append(h); return h``, is a side output too:
+        # its object must take the content of a Function output, as its returned twin does)
+        in_outs = collections.Counter(id(o) for o in outs)
+        seen: set[int] = set()
         found = []
         with DisableTorchFunction():
             for call, pos, ref in made:
                 t = ref()
-                if t is None or id(t) in out_ids or not carries_grad(t):
+                if t is None or id(t) in seen or not carries_grad(t):
                     continue
-                # Held by Python beyond what remat's own objects hold (a nested region's tables
-                # of the tensors it closes over): it left by a side channel.  (One autograd holds
-                # and nothing in Python does, the base of a view a nested region saved, did not.)
-                holders, own = self.held.get(id(t)), 0
+                # Held by Python beyond what remat's own objects hold (``outs``, a nested region's
+                # tables of the tensors it closes over): it left by a side channel.  (One autograd
+                # holds and nothing in Python does, the base of a view a nested region saved, did not.)
+                holders, own = self.held.get(id(t)), in_outs.get(id(t), 0)
                 if holders:
                     cells: set = set()
-                    own = sum(h.refs_to(t, cells) for h in holders) + len(cells)
+                    own += sum(h.refs_to(t, cells) for h in holders) + len(cells)
                 if sys.getrefcount(t) - own > (_ONLY_CPP if use_count(t) > 1 else _ONLY_PY):
-                    out_ids.add(id(t))
+                    seen.add(id(t))
                     found.append(((call, pos), t))
         del made
         return found
@@ -295,12 +371,14 @@ class CaptureMode(TorchFunctionMode):
         arg_ids = {id(a) for a in args if isinstance(a, torch.Tensor)}
         return [(i, t) for i, t in enumerate(leaves) if id(t) not in arg_ids]
 
-    def region_call(self, outs) -> None:
+    def region_call(self, outs, first=None) -> None:
         """A region nested in this one returned ``outs`` (see note_region_outputs)."""
         if region_depth() != self.depth + 1:
             return
         if self.known is not None:
             self._note(outs)
+            if first is not None:
+                self.nested[self.calls] = first
         self._made(self.calls, outs, ())
         self.calls += 1
 
@@ -310,9 +388,13 @@ class CaptureMode(TorchFunctionMode):
             if isinstance(out, torch.Tensor):  # (most calls)
                 if carries_grad(out) and not any(out is a for a in args):
                     made.append((call, 0, weakref.ref(out)))
-                return
-            made.extend((call, i, weakref.ref(t)) for i, t in self._made_tensors(out, args)
-                             if carries_grad(t))
+            else:
+                made.extend((call, i, weakref.ref(t)) for i, t in self._made_tensors(out, args)
+                            if carries_grad(t))
+            if self.late:  # (a nested region's forward in a run again: see first_run_of_nested)
+                for i, t in self._made_tensors(out, args):
+                    for obj in self.late.get((call, i), ()):
+                        self.subst[obj] = t
         elif self.grab is not None and call in self.grab:
             made = dict(self._made_tensors(out, args))
             for i in self.grab[call]:
@@ -320,9 +402,8 @@ class CaptureMode(TorchFunctionMode):
                 if t is None:  # (not this run's call: RegionState.call reports the mismatch)
                     continue
                 self.grabbed[(call, i)] = t
-                obj = self.late.get((call, i)) if self.late else None
-                if obj is not None:  # (the forward's side output, read later in this run: this run's)
-                    self.subst[obj] = t
+                for obj in self.late.get((call, i), ()):  # (the forward's side output, read later
+                    self.subst[obj] = t                     # in this run: this run's)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _DATA:

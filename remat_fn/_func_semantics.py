@@ -33,7 +33,7 @@ import optree
 import torch
 
 from ._autocast import AutocastState
-from ._captures import CaptureMode
+from ._captures import CaptureMode, Known, first_run_of_nested, swap_side_output
 from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
 from ._describe import describe, describe_meta
@@ -190,7 +190,7 @@ def connect_side_outputs(spec, side) -> None:
     held, spec.escaped = spec.escaped, []
     for t, o in zip(held, side):
         try:
-            torch.utils.swap_tensors(t, o)
+            swap_side_output(t, o)
         except RuntimeError as e:
             raise side_output_error(spec, t, str(e)) from None
 
@@ -365,7 +365,7 @@ class RegionState:
                  "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
                  "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "replay", "widen",
-                 "side_objs")
+                 "side_objs", "nested_side", "late_objs")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -378,6 +378,8 @@ class RegionState:
         self.escapes: dict[int, list[int]] = {}
         self.escaped: list = []
         self.side_objs: list = []  # (the caller's object, its (call index, position)) per side output
+        self.nested_side: dict = {}  # the same for the regions nested in it (see CaptureMode's first)
+        self.late_objs: list = []  # the same, of its first run, where this call runs inside a run again
         self.n_out = 0
         self.diff: list[bool] = []  # which outputs are differentiable (as in plain code)
         self.keep_graph = False  # the forward's vjp level keeps what autograd saves (see keep_nothing)
@@ -430,7 +432,11 @@ class RegionState:
         the closure cells holding it go to ``cells``)."""
         return sum(c is t for c in self.captured) + self.reach.refs_to(t, cells)
 
-    def call(self, tensors, known: set[int] | None):
+    def side_late(self) -> list:
+        """The caller's objects holding this call's side outputs (see CaptureMode's ``late``)."""
+        return [*self.side_objs, *self.late_objs]
+
+    def call(self, tensors, known: Known | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
         if known is None:  # a recomputation: put functional_call's tensors back; the
             # buffers the forward wrote (BatchNorm's statistics) as private copies
@@ -449,10 +455,14 @@ class RegionState:
         if recompute:
             self.trace.rewind()
         args = [tensors[k] for k in self.expand]  # the same object where the caller passed one twice
+        if recompute:
+            late, first = self.side_late(), self.nested_side
+        else:  # (inside a run again of an enclosing region: what this call's first run left)
+            late, first = first_run_of_nested()
+            self.late_objs = late
         mode = CaptureMode(subst, known, self.trace, self.name, None if recompute else self.produced,
                            inputs=() if recompute else tensors[:n],
-                           grab=self.escapes if recompute else None,
-                           late={at: id(o) for o, at in self.side_objs} if recompute else None)
+                           grab=self.escapes if recompute else None, late=late, first=first)
         mode.levels = self.levels
         with mode:
             outs, rebuild = self.run(args)
@@ -462,6 +472,7 @@ class RegionState:
             self.fwd_hits = mode.hits
             self.foreign = mode.opaque or None  # (.data, hooks, autograd inside: see CaptureMode)
             self.escaped = mode.escaped(outs)
+            self.nested_side = mode.nested
             return outs, rebuild
         self.trace.finish(self.name)
         if mode.grabbed.keys() != {(c, i) for c, ii in self.escapes.items() for i in ii}:

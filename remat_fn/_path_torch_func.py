@@ -42,7 +42,7 @@ import torch
 
 from ._ambient import AMBIENT
 from ._budget import Measuring
-from ._captures import MissedCapture, nested_in_forward, note_region_inputs, note_region_outputs, substituted
+from ._captures import Known, MissedCapture, nested_in_forward, note_region_inputs, note_region_outputs, substituted
 from ._closures import reachable_tensors
 from ._describe import describe
 from ._errors import RematError
@@ -119,7 +119,7 @@ class _RematFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(spec: RegionState, *tensors: torch.Tensor):
-        known = {id(t) for t in tensors}
+        known = Known(tensors)
         wrt = [i for i, n in enumerate(spec.needs) if n]
         if wrt:
             # The forward runs under a vjp level over the inputs that need a
@@ -153,7 +153,7 @@ class _RematFunction(torch.autograd.Function):
                     roots.append(w)
 
             def f(*diff):
-                known.update(id(t) for t in diff)
+                known.update(diff)
                 with _NULL if keep else keep_nothing(spec.name, note, hooks):
                     o, rb = spec.call(replace_at(tensors, wrt, diff), known)
                 # side outputs: candidates now (a tensor the graph saved is alive
@@ -510,8 +510,11 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     held = spec.escaped  # (the caller's objects: an enclosing region sees them made by this call too)
     if side:
         connect_side_outputs(spec, side)
-        if _replayable(spec) and spec.tape is not None and not any(nd is not None and nd.rng is not None for nd in spec.tape.nodes):
-            spec.side_objs = []  # (no run again reads them: the caller's objects are not kept)
+    # (the caller's objects holding side outputs, read by a run again of this call or of an enclosing one)
+    first = (spec.side_late(), spec.nested_side) if spec.side_objs or spec.late_objs or spec.nested_side else None
+    if first is not None and _replayable(spec) and spec.tape is not None \
+            and not any(nd is not None and nd.rng is not None for nd in spec.tape.nodes):
+        spec.side_objs, spec.nested_side, spec.late_objs = [], {}, []  # (no run again of this call reads them)
     del side  # the forward's side tensors (now in these objects) die here, with their history
     if spec.unsure:
         check_unsure(spec)
@@ -523,8 +526,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
                 hint(o, h)  # the next region may offload it (see Record.hint_outputs)
         if off.stored:
             call.drop_tensors()  # the call must not keep the offloaded inputs alive
-    note_region_outputs([*outs, *held])  # an enclosing region sees this call as one that made them
-    del held
+    note_region_outputs([*outs, *held], first)  # an enclosing region sees this call as one that made them
+    del held, first
     result = spec.out_box[-1](outs)
     if any(spec.needs):
         check_lazy_outputs(spec, result)
