@@ -30,7 +30,15 @@ _GRAD = C.TransformType.Grad
 transforms_active = functorch_active
 is_wrapped = C.is_functorch_wrapped_tensor
 unwrap_one = C.get_unwrapped  # one level
-unwrap_if_dead = C.unwrap_if_dead
+
+
+def unwrap_if_dead(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without the wrappers of transforms that have exited (a tensor left over from an
+    earlier ``grad``, kept in a list: wrappers of dead levels around a live one), as
+    functorch's ops read it.  ``unwrap_if_dead`` of torch strips one."""
+    while C.is_functorch_wrapped_tensor(t) and C.is_dead_tensor_wrapper(t):
+        t = C.get_unwrapped(t)
+    return t
 
 
 def transform_stack() -> list:
@@ -80,7 +88,7 @@ def needs_grad(t: torch.Tensor, levels: dict | None = None) -> bool:
     torch sets those levels aside, and their wrappers are judged by them."""
     if not (t.is_floating_point() or t.is_complex()):
         return False
-    t = C.unwrap_if_dead(t)  # left over from a transform that has exited
+    t = unwrap_if_dead(t)  # left over from a transform that has exited
     if t.requires_grad:
         return True
     kinds = None

@@ -412,7 +412,9 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     name, debug = call.name, call.debug
     reach = reachable_tensors(call.reach_roots())
     captured = reach.captured({id(t) for t in given}, substituted)
-    inputs = substituted(given)  # (a tensor an enclosing region closes over: as its ops see it)
+    # (a tensor an enclosing region closes over: as its ops see it; one left over from a transform
+    # that has exited, as its ops see it: without the dead levels' wrappers, which the Function refuses)
+    inputs = [unwrap_if_dead(t) for t in substituted(given)]
     policy = call.policy("func", [*inputs, *captured])
     if type(policy) is Measuring:  # memory_budget's first call: activation inputs count
         policy.note_inputs(storage_ptr(t) for t in inputs if t.grad_fn is not None)
@@ -436,7 +438,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
                 "as explicit arguments."
             )
         spec = RegionState(call.run, len(inputs), captured, name, debug, reach, expand)
-        closed = substituted(captured)  # (what the Function gets; the function reads ``captured``)
+        closed = [unwrap_if_dead(t) for t in substituted(captured)]  # (what the Function gets; the function reads ``captured``)
         spec.produced, spec.keep_graph, spec.levels = produced, keep_graph, levels
         spec.aliases = [(id(t), k) for k, t in enumerate(given) if id(t) in reach.tensors]
         spec.vmapped = any(is_vmap_kind(kind) for kind in levels.values())
