@@ -150,11 +150,15 @@ class Known:
 
 
 class MissedCapture(Exception):
-    """Internal: the forward touched a gradient-carrying tensor nobody threaded."""
+    """Internal: the forward touched a gradient-carrying tensor nobody threaded.
+    ``bypassed``: a tensor it closes over, threaded, read where no torch function sees it
+    (``torch.func.grad(g)(w)`` wraps ``w`` itself): the forward runs again with the
+    replacements in the closure's places (see :attr:`RegionState.relocate`)."""
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, bypassed: bool = False):
         super().__init__(describe(tensor))
         self.tensor = tensor
+        self.bypassed = bypassed
 
 
 class CaptureMode(TorchFunctionMode):
@@ -202,6 +206,7 @@ class CaptureMode(TorchFunctionMode):
         self.produced = produced
         self._recorder = _Produced(produced) if produced is not None else None
         self.subst = subst
+        self.threaded = frozenset(subst)  # the caller's objects its replacements stand for
         self.known = known
         self.hits: set[int] = set()
         self.trace = trace
@@ -270,6 +275,8 @@ class CaptureMode(TorchFunctionMode):
         t = x
         while is_wrapped(t):
             t = unwrap_one(t)
+            if id(t) in self.threaded:  # (the tensor itself, not its replacement: see MissedCapture)
+                raise MissedCapture(t, bypassed=True)
             if t in self.known or id(t) in self.subst:
                 self.known.add(x)
                 return True

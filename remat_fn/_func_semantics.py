@@ -365,7 +365,7 @@ class RegionState:
                  "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
                  "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "replay", "widen",
-                 "side_objs", "nested_side", "late_objs")
+                 "side_objs", "nested_side", "late_objs", "relocate")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -380,6 +380,9 @@ class RegionState:
         self.side_objs: list = []  # (the caller's object, its (call index, position)) per side output
         self.nested_side: dict = {}  # the same for the regions nested in it (see CaptureMode's first)
         self.late_objs: list = []  # the same, of its first run, where this call runs inside a run again
+        # the closure's places hold the replacements while the function runs (it handed a tensor it
+        # closes over to torch.func itself, where no torch function replaces it: see MissedCapture)
+        self.relocate = False
         self.n_out = 0
         self.diff: list[bool] = []  # which outputs are differentiable (as in plain code)
         self.keep_graph = False  # the forward's vjp level keeps what autograd saves (see keep_nothing)
@@ -438,19 +441,22 @@ class RegionState:
 
     def call(self, tensors, known: Known | None):
         """Run the region on ``tensors`` (inputs then captured replacements)."""
-        if known is None:  # a recomputation: put functional_call's tensors back; the
-            # buffers the forward wrote (BatchNorm's statistics) as private copies
-            copies: dict = {}
-            with self.reach.relocated(private_copies(self.reach.tensors.values(), self.written, copies)), \
-                    PrivateWrites(self.written, copies) if self.written else _NULL:
-                return self._call(tensors, known)
-        return self._call(tensors, known)
-
-    def _call(self, tensors, known):
         n = self.n_in
         subst = {id(o): r for o, r in zip(self.captured, tensors[n:])}
         for i, k in self.aliases:
             subst.setdefault(i, tensors[k])
+        if known is None:  # a recomputation: put functional_call's tensors back; the
+            # buffers the forward wrote (BatchNorm's statistics) as private copies
+            copies: dict = {}
+            places = private_copies(self.reach.tensors.values(), self.written, copies)
+            with self.reach.relocated({**subst, **places} if self.relocate else places), \
+                    PrivateWrites(self.written, copies) if self.written else _NULL:
+                return self._call(tensors, known, subst)
+        with self.reach.relocated(subst) if self.relocate else _NULL:
+            return self._call(tensors, known, subst)
+
+    def _call(self, tensors, known, subst):
+        n = self.n_in
         recompute = known is None
         if recompute:
             self.trace.rewind()

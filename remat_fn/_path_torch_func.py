@@ -429,6 +429,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     top = top_hooks(False)
     nested = top is not None and isinstance(top[0], ForwardHook)
     levels = live_levels()  # (set aside inside the Function's forward: see needs_grad)
+    relocate = False
     for attempt in range(_MAX_RETRIES + 1):
         if attempt == _MAX_RETRIES:
             raise RematError(
@@ -440,6 +441,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         spec = RegionState(call.run, len(inputs), captured, name, debug, reach, expand)
         closed = [unwrap_if_dead(t) for t in substituted(captured)]  # (what the Function gets; the function reads ``captured``)
         spec.produced, spec.keep_graph, spec.levels = produced, keep_graph, levels
+        spec.relocate = relocate
         spec.aliases = [(id(t), k) for k, t in enumerate(given) if id(t) in reach.tensors]
         spec.vmapped = any(is_vmap_kind(kind) for kind in levels.values())
         spec.rec = Record(policy)  # (without a policy: the op sequence, for the plan)
@@ -477,6 +479,14 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             continue
         except MissedCapture as e:
             undo_forward(spec, snap)
+            if e.bypassed:
+                if relocate:  # pragma: no cover - defensive (the places held the replacements)
+                    raise RematError(
+                        f"remat({name}): the tensor {describe(e.tensor)} it closes over reached a torch.func "
+                        "transform inside the region unthreaded. Fix: pass it to the function as an argument."
+                    ) from None
+                relocate = True
+                continue
             if produced is None:
                 # The tensor may have been made inside the region where no torch
                 # function sees it (by autograd in a torch.func.grad the function

@@ -15,7 +15,7 @@ from torch.func import grad, jacfwd, jvp, vjp, vmap
 
 from remat_fn import remat
 
-from ._util import assert_tree_close, one_argument_transforms
+from ._util import assert_tree_close, one_argument_transforms, two_argument_transforms
 
 D = torch.float64
 X = torch.tensor([0.3, -1.2, 2.0, 0.7], dtype=D)
@@ -166,3 +166,32 @@ def test_data_read_in_a_batchnorm_module_under_jvp_runs():
     want = jvp(lambda x: functional_call(p, dict(p.named_parameters()), (x,)), (x,), (t,))
     assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
     assert int(m.bn.num_batches_tracked) == 1
+
+
+def _func_of_closed_over(x, w, wrap, how):
+    """A region that hands the weight it closes over (differentiated outside) to a
+    ``torch.func`` transform it calls itself."""
+    def region(a):
+        h = torch.sin(a)
+        if how == "grad":
+            return torch.func.grad(lambda z: (z * h).sin().sum())(w).sum() * h
+        if how == "vjp":
+            return torch.func.vjp(lambda z: (z * h).sin().sum(), w)[0] * h
+        if how == "grad_reads_it_too":
+            return torch.func.grad(lambda z: (z * w * h).sin().sum())(w).sum() * h
+        return torch.func.jvp(lambda z: (z * h).sin(), (w,), (torch.ones_like(w),))[1] * h  # jvp
+
+    return wrap(region)(x).pow(2).sum()
+
+
+@pytest.mark.parametrize("transform", ["eager", "grad", "vjp", "jvp", "vmap_grad"])
+@pytest.mark.parametrize("how", ["grad", "vjp", "grad_reads_it_too", "jvp"])
+def test_torch_func_inside_a_region_given_a_tensor_it_closes_over(how, transform):
+    """``torch.func.grad(g)(w)`` with ``w`` closed over: the transform wraps ``w`` itself, where
+    no torch function replaces it by the Function's input, so ``w``'s gradient through it
+    was lost (eager 0.50 off, ``vjp`` inside 5.2, ``w`` read inside too 3.7).  The forward now
+    runs with the replacements in the closure's places."""
+    run = two_argument_transforms(X[:3], torch.tensor([0.5, -0.3, 1.1], dtype=D))[transform]
+    want = run(lambda x, w: _func_of_closed_over(x, w, ident, how))
+    got = run(lambda x, w: _func_of_closed_over(x, w, remat, how))
+    _close(got, want)
