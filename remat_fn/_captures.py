@@ -400,8 +400,7 @@ class CaptureMode(TorchFunctionMode):
                             if carries_grad(t))
             if self.late:  # (a nested region's forward in a run again: see first_run_of_nested)
                 for i, t in self._made_tensors(out, args):
-                    for obj in self.late.get((call, i), ()):
-                        self.subst[obj] = t
+                    self._stands_for(call, i, t)
         elif self.grab is not None and call in self.grab:
             made = dict(self._made_tensors(out, args))
             for i in self.grab[call]:
@@ -409,8 +408,13 @@ class CaptureMode(TorchFunctionMode):
                 if t is None:  # (not this run's call: RegionState.call reports the mismatch)
                     continue
                 self.grabbed[(call, i)] = t
-                for obj in self.late.get((call, i), ()):  # (the forward's side output, read later
-                    self.subst[obj] = t                     # in this run: this run's)
+                self._stands_for(call, i, t)
+
+    def _stands_for(self, call: int, pos: int, t: torch.Tensor) -> None:
+        """``t``, made at ``(call, pos)``, is read wherever this run reads a caller's object that
+        held the first run's value there (``side[0]``, appended earlier in the same run: see ``late``)."""
+        for obj in self.late.get((call, pos), ()):
+            self.subst[obj] = t
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _DATA:

@@ -523,7 +523,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     if side:
         connect_side_outputs(spec, side)
     # (the caller's objects holding side outputs, read by a run again of this call or of an enclosing one)
-    first = (spec.side_late(), spec.nested_side) if spec.side_objs or spec.late_objs or spec.nested_side else None
+    late = spec.side_late()
+    first = (late, spec.nested_side) if late or spec.nested_side else None
     if first is not None and _replayable(spec) and spec.tape is not None \
             and not any(nd is not None and nd.rng is not None for nd in spec.tape.nodes):
         spec.side_objs, spec.nested_side, spec.late_objs = [], {}, []  # (no run again of this call reads them)
@@ -539,7 +540,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         if off.stored:
             call.drop_tensors()  # the call must not keep the offloaded inputs alive
     note_region_outputs([*outs, *held], first)  # an enclosing region sees this call as one that made them
-    del held, first
+    del held, first, late
     result = spec.out_box[-1](outs)
     if any(spec.needs):
         check_lazy_outputs(spec, result)

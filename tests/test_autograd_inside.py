@@ -15,14 +15,10 @@ from torch.func import grad, jacfwd, jvp, vjp, vmap
 
 from remat_fn import remat
 
-from ._util import assert_tree_close, one_argument_transforms, two_argument_transforms
+from ._util import assert_tree_close, ident, one_argument_transforms, two_argument_transforms
 
 D = torch.float64
 X = torch.tensor([0.3, -1.2, 2.0, 0.7], dtype=D)
-
-
-def ident(f):
-    return f
 
 
 def _close(a, b):
@@ -168,6 +164,9 @@ def test_data_read_in_a_batchnorm_module_under_jvp_runs():
     assert int(m.bn.num_batches_tracked) == 1
 
 
+_TWO = two_argument_transforms(X[:3], torch.tensor([0.5, -0.3, 1.1], dtype=D))
+
+
 def _func_of_closed_over(x, w, wrap, how):
     """A region that hands the weight it closes over (differentiated outside) to a
     ``torch.func`` transform it calls itself."""
@@ -191,7 +190,7 @@ def test_torch_func_inside_a_region_given_a_tensor_it_closes_over(how, transform
     no torch function replaces it by the Function's input, so ``w``'s gradient through it
     was lost (eager 0.50 off, ``vjp`` inside 5.2, ``w`` read inside too 3.7).  The forward now
     runs with the replacements in the closure's places."""
-    run = two_argument_transforms(X[:3], torch.tensor([0.5, -0.3, 1.1], dtype=D))[transform]
+    run = _TWO[transform]
     want = run(lambda x, w: _func_of_closed_over(x, w, ident, how))
     got = run(lambda x, w: _func_of_closed_over(x, w, remat, how))
     _close(got, want)
@@ -213,5 +212,5 @@ def test_torch_func_inside_a_region_after_a_side_output():
 
         return wrap(region)(x).pow(2).sum() + side[0].pow(3).sum()
 
-    run = two_argument_transforms(X[:3], torch.tensor([0.5, -0.3, 1.1], dtype=D))["grad"]
+    run = _TWO["grad"]
     _close(run(lambda x, w: program(x, w, remat)), run(lambda x, w: program(x, w, ident)))
