@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ._func_semantics import ForwardHook
-from ._functorch import forward_mode_active, grad_wrappers, is_grad_kind, live_levels, unwrap_all
+from ._functorch import batch_layers, forward_mode_active, grad_wrappers, is_grad_kind, live_levels, rebatch, unwrap_all
 from ._offload_buffers import quiet
 from ._torch_internals import DisableFuncTorch, dispatch_stack_len, function_mode_enabled, is_view, saved_tensor_attrs
 from .memory import storage_released
@@ -86,7 +86,22 @@ class KeepHandles(ForwardHook):
 
     def __call__(self, t):
         note_storage(self.noted, t)
-        return self.frame.pack(unwrap_all(t))
+        h = self.frame.pack(unwrap_all(t))
+        layers = batch_layers(t)
+        if layers:  # (vmap around the forward: the tape holds the batched value below its wrappers)
+            return _Batched(h, layers)
+        return h
+
+
+class _Batched:
+    """A handle of a value saved under ``vmap``: the tape replays the tensor below the
+    vmap wrappers, which backward, run under the same levels, puts back around it."""
+
+    __slots__ = ("h", "layers")
+
+    def __init__(self, h, layers):
+        self.h = h
+        self.layers = layers
 
 
 class Unpack:
@@ -101,6 +116,10 @@ class Unpack:
         self.frame = frame
 
     def __call__(self, h):
+        if type(h) is _Batched:
+            with DisableFuncTorch():
+                t = self.frame.unpack(h.h)
+            return rebatch(t, h.layers)
         with DisableFuncTorch():
             return self.frame.unpack(h)
 
@@ -123,6 +142,7 @@ def release_outputs(douts) -> tuple:
     out = []
     for t in douts:
         out.append(t.detach())  # (an enclosing region's tape records it: its replay makes it)
+        t = unwrap_all(t)  # (under vmap: the batched tensor below the wrappers)
         if t.numel() and t.layout == torch.strided and not is_view(t):
             # (bookkeeping, no op of any region: modes stepped aside where there are any)
             with quiet() if dispatch_stack_len() or function_mode_enabled() else _NULL, DisableFuncTorch():

@@ -364,7 +364,7 @@ class RegionState:
                  "fwd_hits", "rec", "needs", "trace", "views", "autocast", "produced", "prof",
                  "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
-                 "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "replay", "widen",
+                 "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "batched", "replay", "widen",
                  "side_objs", "nested_side", "late_objs", "relocate")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
@@ -417,6 +417,7 @@ class RegionState:
         self.dmeta: list = []
         self.dpos: list = []
         self.wrt: list[int] = []
+        self.batched = False  # a vmap wraps an input (see vmaps_outermost)
         self.levels: dict | None = None  # the transforms active at the call (see needs_grad)
         # (id of the caller's object, index) of the inputs a closure reads too: substituted like captured tensors
         self.aliases: list[tuple[int, int]] = []

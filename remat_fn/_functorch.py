@@ -20,7 +20,7 @@ __all__ = [
     "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead",
     "forward_mode_active", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
     "requires_grad_anywhere", "is_vmap_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
-    "draws_batched",
+    "draws_batched", "batch_layers", "rebatch", "grad_on_top", "vmaps_outermost",
 ]
 
 C = functorch  # the C++ functorch bindings (checked in remat_fn._torch_internals)
@@ -115,6 +115,41 @@ def any_batched(t: torch.Tensor) -> bool:
             return True
         t = C.get_unwrapped(t)
     return False
+
+
+def batch_layers(t: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """The ``(level, bdim)`` of each ``vmap`` wrapper around ``t``, innermost first
+    (other wrappers skipped)."""
+    out = []
+    while C.is_functorch_wrapped_tensor(t):
+        if C.is_batchedtensor(t):
+            out.append((C.maybe_get_level(t), C.maybe_get_bdim(t)))
+        t = C.get_unwrapped(t)
+    return tuple(reversed(out))
+
+
+def vmaps_outermost(levels: dict) -> bool:
+    """Every active ``vmap`` sits outside every other active transform (``vmap(grad(f))``,
+    per-sample gradients): the region's forward and its backward then run under the same
+    vmap levels."""
+    kinds = [levels[k] for k in sorted(levels)]
+    n = sum(1 for k in kinds if is_vmap_kind(k))
+    return all(is_vmap_kind(k) for k in kinds[:n])
+
+
+def rebatch(t: torch.Tensor, layers) -> torch.Tensor:
+    """``t`` wrapped in the vmap levels :func:`batch_layers` found, then at the innermost
+    live transform, a grad level (see :func:`grad_on_top`): autograd shallow-copies what an
+    unpack hook returns, which a ``BatchedTensor`` refuses and a grad wrapper allows."""
+    for level, bdim in layers:
+        t = C._add_batch_dim(t, bdim, level)
+    return C._wrap_for_grad(t, C.get_interpreter_stack()[-1].level())
+
+
+def grad_on_top() -> bool:
+    """The innermost active transform is a grad level (a backward under ``vmap(grad)``)."""
+    stack = C.get_interpreter_stack()
+    return bool(stack) and stack[-1].key() == _GRAD
 
 
 def vmap_levels(t: torch.Tensor) -> list[int]:

@@ -84,6 +84,7 @@ from ._functorch import (
     carries_grad,
     differentiated_outside_vmaps,
     forward_mode_active,
+    grad_on_top,
     is_vmap_kind,
     live_levels,
     needs_grad,
@@ -91,6 +92,7 @@ from ._functorch import (
     unwrap_all,
     unwrap_if_dead,
     version_alias,
+    vmaps_outermost,
 )
 from ._offload import FuncInputs, hint, input_offloads
 from ._path_hooks import Frame, finish_tape
@@ -232,6 +234,12 @@ class _RematFunction(torch.autograd.Function):
                 keep_ptrs = set(saved) | {p for o in outs if (p := storage_ptr(o)) is not None}
                 rec.prune(keep_ptrs, set(saved))  # an offloaded output: recomputed, not copied
                 spec.tape = None
+            elif frame is not None and spec.batched and draws_in_vmap(spec, tape, batched=True):
+                # (batched draws: backward runs the function again, each draw from its recorded
+                # state, see draws_in_vmap; the plan starts from what the level's graph saved)
+                roots = [*frame.values.values(), *frame.deps]
+                spec.frame = None
+                plan_rerun(spec, roots, tensors)
             elif frame is not None:  # as on the hooks path (memory_budget's plan, seal, ...)
                 spec.wrt = wrt
                 if spec.offload is not None:
@@ -295,7 +303,8 @@ class _RematFunction(torch.autograd.Function):
         detach = can_drop_graph(ctx.saved_tensors, grads)
         grads = tuple(unwrap_if_dead(g) if g is not None else None for g in grads)
         # (grad mode off: nothing records this backward; a forward-mode level would, see from_graph)
-        if (detach or not torch.is_grad_enabled()) and spec.graph is not None and not forward_mode_active():
+        if (detach or not torch.is_grad_enabled()) and spec.graph is not None and not forward_mode_active() \
+                and (not spec.batched or grad_on_top()):  # (batched saved tensors: see rebatch)
             return from_graph(spec, tensors, wrt, grads)
         cot = tuple(
             g if g is not None else torch.zeros(m[0], dtype=m[1], device=m[2])
@@ -355,7 +364,7 @@ _RematFunction.forward.__signature__ = inspect.signature(_RematFunction.forward)
 
 def _replayable(spec: RegionState) -> bool:
     """The recorded forward can stand in for the function (see remat_fn._replay_live)."""
-    if spec.out_values is None:
+    if spec.out_values is None or spec.batched:  # (the tape holds the ops below the vmaps)
         return False
     if spec.foreign is None:
         spec.foreign = foreign_functions(spec.roots, _RematFunction)
@@ -450,15 +459,18 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             spec.offload.listen(spec.rec, inputs)  # (arguments checkpoint_name names inside the region)
         # (backward runs the function again: under vmap (the tape holds batched ops), strict modes (debug,
         # early_stop=False, a generic context_fn), offloads; nested: docs/design.md, "still runs again")
+        # (under vmap only where every vmap sits outside the other transforms, vmap(grad):
+        # backward then runs under the forward's vmap levels, see remat_fn._func_graph.KeepHandles)
+        spec.batched = any(any_batched(t) for t in (*inputs, *closed))
         rerun = keep_graph or call.strict or (spec.offload is not None and spec.offload.rerun) \
-            or any(any_batched(t) for t in (*inputs, *closed))
+            or (spec.batched and not vmaps_outermost(levels))
         if rerun or nested:  # backward re-runs the function (nested: replays its recorded forward)
             spec.tape = Tape(func_path=True)
             spec.replay = not rerun
         else:  # backward differentiates the forward's graph, its saved tensors replayed
             frame = spec.frame = Frame(None, None, None, name, False)
             frame.rec, frame.deferred = spec.rec, True
-            spec.frame.tape = spec.tape = Tape(copies=True)
+            spec.frame.tape = spec.tape = Tape(func_path=spec.batched, copies=True)  # (batched: see draws_in_vmap below)
         spec.needs = [grad_mode and needs_grad(t) and _is_diff(t) for t in (*inputs, *closed)]
         if spec.vmapped and any(spec.needs):
             spec.widen = differentiated_outside_vmaps(levels, any(unwrap_all(t).requires_grad for t in (*inputs, *closed)))

@@ -443,7 +443,7 @@ class Tape:
         used_outside: set = set()
         if self.func_path:
             for k, n in enumerate(nodes):
-                if n.always:
+                if n is not None and n.always:
                     todo.extend(n.reads)
                     run.add(k)
         while todo:

@@ -288,13 +288,15 @@ def test_torch_func_path_runs_python_once(how):
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize("how,runs", [("vmap_grad", 2), ("grad_grad", 1)])
+@pytest.mark.parametrize("how,runs", [("vmap_grad", 1), ("grad_vmap", 2), ("grad_grad", 1)])
 def test_torch_func_path_runs_python_again_where_the_replay_cannot(how, runs):
-    """What the replay does not cover: under vmap (the forward's tape holds the batched
-    ops, which a vmap in backward cannot replay) the function runs again (its Python side
-    effects repeat); the ops it skips or redirects keep tensors from outside untouched.
-    Where an outer level differentiates the backward (grad of grad) the recorded forward
-    is replayed through it (remat_fn._replay_live): the function runs once."""
+    """What the replay does not cover: a vmap inside a grad level around the region (the
+    forward's tape holds the batched ops of a vmap level that backward does not run under)
+    runs the function again (its Python side effects repeat); the ops it skips or redirects
+    keep tensors from outside untouched.  Under ``vmap(grad)`` backward differentiates the
+    forward level's graph under the same vmap levels, and where an outer level
+    differentiates the backward (grad of grad) the recorded forward is replayed through it
+    (remat_fn._replay_live): the function runs once."""
     calls = []
 
     def f(x):
@@ -305,6 +307,9 @@ def test_torch_func_path_runs_python_again_where_the_replay_cannot(how, runs):
     if how == "vmap_grad":
         got = vmap(grad(lambda r: remat(f)(r).sum()))(x)
         want = vmap(grad(lambda r: r.exp().sin().sum()))(x)
+    elif how == "grad_vmap":
+        got = grad(lambda r: vmap(remat(f))(r).sum())(x)
+        want = grad(lambda r: vmap(lambda s: s.exp().sin())(r).sum())(x)
     else:
         got = grad(lambda r: grad(lambda s: remat(f)(s).sum())(r).sum())(x)
         want = grad(lambda r: grad(lambda s: s.exp().sin().sum())(r).sum())(x)

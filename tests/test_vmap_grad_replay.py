@@ -1,0 +1,104 @@
+"""Per-sample gradients (``vmap(grad)``) differentiate the forward level's graph, its saved
+tensors replayed from the tape below the vmap levels and put back inside them: the
+function's Python runs once per forward, as under ``grad``.  Where a vmap sits inside a
+grad level (``grad(vmap(f))``) or a ``vjp_fn`` runs after its level exited, backward runs
+the function again, with the same gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.func import functional_call, grad, vjp, vmap
+
+from remat_fn import remat
+from remat_fn.nn import remat_module
+
+from ._util import assert_tree_close
+
+D = torch.float64
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        self.lin2 = torch.nn.Linear(4, 4, dtype=D)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin2(torch.tanh(self.lin(x))) * x
+
+
+def test_per_sample_gradients_of_a_module_run_it_once():
+    torch.manual_seed(0)
+    plain = _Block()
+    params = {k: v.detach() for k, v in plain.named_parameters()}
+    xs = torch.randn(5, 6, 4, dtype=D)
+
+    def per_sample(model):
+        return vmap(grad(lambda p, x: functional_call(model, p, (x,)).pow(2).sum()), in_dims=(None, 0))(params, xs)
+
+    want = per_sample(plain)
+    block = copy.deepcopy(plain)
+    block.calls = 0
+    got = per_sample(remat_module(block))
+    assert_tree_close(got, want)
+    assert plain.calls == 1 and block.calls == 1
+
+
+_G = torch.Generator().manual_seed(4)
+_W = torch.randn(4, 4, dtype=D, generator=_G) / 2
+_XB = torch.randn(3, 2, 4, dtype=D, generator=_G)
+
+
+def _f(calls):
+    def f(x, w):
+        calls.append(1)
+        h = torch.tanh(x @ w)
+        return (h * h.exp()).sin() + x
+    return f
+
+
+# name -> (run(wrap), how many times remat's function runs for one forward)
+_CASES = {
+    "grad_of_w": (lambda wrap, f: vmap(grad(lambda w, x: wrap(f)(x, w).pow(2).sum()), in_dims=(None, 0))(_W, _XB), 1),
+    "grad_of_x": (lambda wrap, f: vmap(grad(lambda x, w: wrap(f)(x, w).pow(2).sum()), in_dims=(0, None))(_XB, _W), 1),
+    "batch_dim_1": (lambda wrap, f: vmap(grad(lambda x, w: wrap(f)(x, w).pow(2).sum()), in_dims=(1, None))(
+        _XB.movedim(0, 1).contiguous(), _W), 1),
+    "both_batched": (lambda wrap, f: vmap(grad(lambda w, x: wrap(f)(x, w).pow(2).sum()))(
+        torch.stack([_W, 2 * _W, -_W]), _XB), 1),
+    "vmap_of_vmap": (lambda wrap, f: vmap(vmap(grad(lambda w, x: wrap(f)(x, w).pow(2).sum()), in_dims=(None, 0)),
+                                          in_dims=(None, 0))(_W, torch.stack([_XB, -_XB])), 1),
+    "vjp_fn_after_its_level": (lambda wrap, f: vmap(lambda x: vjp(lambda w: wrap(f)(x, w), _W)[1](
+        torch.ones(2, 4, dtype=D))[0])(_XB), 2),
+    "grad_of_vmap": (lambda wrap, f: grad(lambda w: vmap(lambda x: wrap(f)(x, w).pow(2).sum())(_XB).sum())(_W), 2),
+}
+
+
+@pytest.mark.parametrize("name", list(_CASES))
+def test_vmap_grad_matches_plain_and_runs_the_function_once(name):
+    run, runs = _CASES[name]
+    plain_calls: list = []
+    want = run(lambda f: f, _f(plain_calls))
+    calls: list = []
+    got = run(remat, _f(calls))
+    assert_tree_close(got, want)
+    assert len(calls) == runs * len(plain_calls)
+
+
+def test_vmap_grad_random_draws_replay_the_same_bits():
+    """A draw batched by ``randomness='different'`` leaves the graph for a run again, each
+    draw from its recorded state (see draws_in_vmap)."""
+    gen = torch.Generator()
+
+    def f(x):
+        return (torch.rand(x.shape, generator=gen, dtype=x.dtype) * x).exp()
+
+    def run(fn):
+        gen.manual_seed(5)
+        return vmap(grad(lambda a: fn(a).sum()), randomness="different")(_XB)
+
+    assert torch.equal(run(remat(f)), run(f))
