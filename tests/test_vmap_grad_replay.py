@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from torch.func import functional_call, grad, vjp, vmap
+from torch.func import functional_call, grad, hessian, jacfwd, jacrev, vjp, vmap
 
 from remat_fn import remat
 from remat_fn.nn import remat_module
@@ -102,3 +102,32 @@ def test_vmap_grad_random_draws_replay_the_same_bits():
         return vmap(grad(lambda a: fn(a).sum()), randomness="different")(_XB)
 
     assert torch.equal(run(remat(f)), run(f))
+
+
+_f2 = lambda x, w: (torch.tanh(x @ w) * x).sin()  # noqa: E731
+_AROUND = {
+    "vmap_jacrev": lambda F: vmap(jacrev(lambda w, x: F(x, w).sum(0)), in_dims=(None, 0))(_W, _XB),
+    "vmap_hessian": lambda F: vmap(hessian(lambda w, x: F(x, w).sum()), in_dims=(None, 0))(_W, _XB),
+    "vmap_grad_of_grad": lambda F: vmap(grad(lambda w, x: grad(lambda w: F(x, w).pow(2).sum())(w).pow(2).sum()),
+                                        in_dims=(None, 0))(_W, _XB),
+    "vmap_jacfwd": lambda F: vmap(jacfwd(lambda w, x: F(x, w).sum(0)), in_dims=(None, 0))(_W, _XB),
+    "jacrev_of_vmap_grad": lambda F: jacrev(lambda w: vmap(grad(lambda w, x: F(x, w).pow(2).sum()),
+                                                           in_dims=(None, 0))(w, _XB).sum(0))(_W),
+}
+
+
+@pytest.mark.parametrize("name", list(_AROUND))
+def test_transforms_around_vmap_grad_match_plain(name):
+    """Levels that differentiate the per-sample backward (an outer grad, forward mode, a
+    vmap over cotangents) keep the exact result: there the function runs again."""
+    assert_tree_close(_AROUND[name](remat(_f2)), _AROUND[name](_f2))
+
+
+def test_eager_autograd_around_vmap_grad_matches_plain():
+    w = _W.clone().requires_grad_()
+
+    def run(F):
+        g = vmap(grad(lambda x, w: F(x, w).pow(2).sum()), in_dims=(0, None))(_XB, w)
+        return g, torch.autograd.grad(g.pow(2).sum(), w)[0]
+
+    assert_tree_close(run(remat(_f2)), run(_f2))
