@@ -14,9 +14,14 @@ so when a functorch transform is active the region runs inside
   replay from the inputs to the outputs through every active transform
   (:mod:`remat_fn._replay_live`).  It runs the region again with
   ``torch.func.vjp``, computing only the ops the tape's plan needs, where no
-  replay can stand in (``vmap`` around the forward, a region with regions
+  replay can stand in (a ``vmap`` inside a grad level around the forward, an
+  outer level differentiating a ``vmap(grad)`` backward, a region with regions
   nested in it, a custom ``autograd.Function`` inside, ``debug=True``,
   offloaded inputs: docs/design.md).  ``generate_vmap_rule`` covers ``vmap``.
+* Under ``vmap(grad)`` (every vmap outside the other transforms) backward
+  differentiates the forward level's graph under the forward's vmap levels:
+  the tape replays the batched tensors below them and the unpack puts their
+  wrappers back (see remat_fn._func_graph.KeepHandles).
 * Tensors the function closes over (found by :mod:`remat_fn._closures`,
   substituted by :mod:`remat_fn._captures`) are extra inputs, so their
   gradients are exact.
