@@ -131,3 +131,18 @@ def test_eager_autograd_around_vmap_grad_matches_plain():
         return g, torch.autograd.grad(g.pow(2).sum(), w)[0]
 
     assert_tree_close(run(remat(_f2)), run(_f2))
+
+
+@pytest.mark.parametrize("randomness", ["same", "different"])
+def test_random_draws_under_vmap_match_plain_where_the_graph_serves_and_where_it_runs_again(randomness):
+    def f(x, w):
+        return torch.tanh(x @ w) * torch.rand(4, dtype=D) + torch.nn.functional.dropout(x @ w, 0.5)
+
+    def run(F):
+        torch.manual_seed(0)
+        a = vmap(lambda x: vjp(lambda w: F(x, w), _W)[1](torch.ones(2, 4, dtype=D))[0], randomness=randomness)(_XB)
+        b = vmap(grad(lambda w, x: F(x, w).pow(2).sum()), in_dims=(None, 0), randomness=randomness)(_W, _XB)
+        c = grad(lambda w: vmap(lambda x: F(x, w).pow(2).sum(), randomness=randomness)(_XB).sum())(_W)
+        return a, b, c
+
+    assert_tree_close(run(remat(f)), run(f))
