@@ -78,18 +78,20 @@ class KeepHandles(ForwardHook):
     graph: what autograd saves becomes a handle of the hooks path's frame (the tape
     replays it in backward), and its storage is noted (what plain autograd keeps)."""
 
-    __slots__ = ("frame", "noted")
+    __slots__ = ("frame", "noted", "batched")
 
-    def __init__(self, frame, noted):
+    def __init__(self, frame, noted, batched: bool = False):
         self.frame = frame
         self.noted = noted
+        self.batched = batched  # a vmap wraps the region's inputs (see remat_fn._functorch.vmaps_outermost)
 
     def __call__(self, t):
         note_storage(self.noted, t)
         h = self.frame.pack(unwrap_all(t))
-        layers = batch_layers(t)
-        if layers:  # (vmap around the forward: the tape holds the batched value below its wrappers)
-            return _Batched(h, layers)
+        if self.batched:  # (the tape holds the batched value below its vmap wrappers)
+            layers = batch_layers(t)
+            if layers:
+                return _Batched(h, layers)
         return h
 
 
@@ -116,12 +118,10 @@ class Unpack:
         self.frame = frame
 
     def __call__(self, h):
-        if type(h) is _Batched:
-            with DisableFuncTorch():
-                t = self.frame.unpack(h.h)
-            return rebatch(t, h.layers)
+        batched = type(h) is _Batched
         with DisableFuncTorch():
-            return self.frame.unpack(h)
+            t = self.frame.unpack(h.h if batched else h)
+        return rebatch(t, h.layers) if batched else t
 
 
 _UNSAFE_VIEW = torch.ops.aten._unsafe_view.default

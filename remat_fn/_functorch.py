@@ -154,12 +154,7 @@ def grad_on_top() -> bool:
 
 def vmap_levels(t: torch.Tensor) -> list[int]:
     """The levels of the ``vmap`` wrappers around ``t``, outermost first."""
-    out = []
-    while C.is_functorch_wrapped_tensor(t):
-        if C.is_batchedtensor(t):
-            out.append(C.maybe_get_level(t))
-        t = C.get_unwrapped(t)
-    return out
+    return [level for level, _ in reversed(batch_layers(t))]
 
 
 def grad_wrappers(t: torch.Tensor) -> tuple[list[tuple[int, bool]], torch.Tensor]:

@@ -147,7 +147,7 @@ class _RematFunction(torch.autograd.Function):
             frame = spec.frame
             hooks = None
             if frame is not None:  # the level's graph is kept, its saved tensors as tape handles
-                hooks = (KeepHandles(frame, noted), Unpack(frame))
+                hooks = (KeepHandles(frame, noted, spec.batched), Unpack(frame))
 
             def note(t):  # a tensor autograd saves: backward needs its value
                 note_storage(noted, t)
