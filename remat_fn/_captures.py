@@ -20,6 +20,7 @@ import sys
 import weakref
 from typing import Any
 
+import optree
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
@@ -42,10 +43,17 @@ from ._functorch import (
 )
 from ._record import recording_tapes
 from ._region import region_depth
-from ._torch_internals import DisableFuncTorch, DisableTorchFunction, TorchDispatchMode, use_count
+from ._torch_internals import (
+    DisableFuncTorch,
+    DisableTorchFunction,
+    TorchDispatchMode,
+    any_autocast_enabled,
+    custom_function_call,
+    use_count,
+)
 from ._unseen import note_alias
 
-__all__ = ["CaptureMode", "Known", "MissedCapture", "first_run_of_nested", "nested_in_forward", "note_region_inputs",
+__all__ = ["CaptureMode", "FunctionStep", "Known", "MissedCapture", "first_run_of_nested", "nested_in_forward", "note_region_inputs",
            "note_region_outputs", "substituted", "swap_side_output"]
 
 
@@ -445,7 +453,10 @@ class CaptureMode(TorchFunctionMode):
             grad = AMBIENT.call_grad
             AMBIENT.call_grad = torch.is_grad_enabled()  # (what the tape records, see call_grad_mode)
             try:
-                out = func(*args, **kwargs)
+                if func is custom_function_call and self.known is not None and region_depth() == self.depth:
+                    out = _function_steps(func, args, kwargs)
+                else:
+                    out = func(*args, **kwargs)
             finally:
                 AMBIENT.call_grad = grad
         if self.known is not None:
@@ -457,6 +468,45 @@ class CaptureMode(TorchFunctionMode):
             if self.trace is not None:
                 self.trace.step(func, out, self.known is None, self.name)
         return out
+
+
+class FunctionStep:
+    """A custom ``autograd.Function`` the region's forward applied, as one step of a replay
+    through the transforms (see remat_fn._replay_live): the replay applies the Function to
+    the values it read, so each transform differentiates it by the Function's own rules
+    (``backward``, ``jvp``, ``vmap``), not by the ops of its forward.  Its nodes are the
+    tape's ``[start, end)``; ``flat``/``spec``: its arguments (Values for tensors),
+    ``outs``: the Value of each output (None: not a tensor)."""
+
+    __slots__ = ("cls", "flat", "spec", "kw", "outs", "writes", "grad")
+
+    def __init__(self, cls, flat, spec, outs, grad: bool):
+        self.cls, self.flat, self.spec, self.outs, self.grad = cls, flat, spec, outs, grad
+        self.kw, self.writes = None, ()
+
+
+def _function_steps(func, args, kwargs):
+    """Apply a custom Function in a region's forward (``custom_function_call``, under a
+    transform), noting its span on every recording tape: a :class:`FunctionStep` where its
+    outputs are tensors its forward's ops made (else its class is marked not replayable:
+    regions holding it run again where a replay would be needed)."""
+    tapes = [t for t in recording_tapes() if t.reg is not None]
+    flat, spec = optree.tree_flatten((args[1:], kwargs), none_is_leaf=True)
+    reads = [[t.lookup(unwrap_all(x)) if isinstance(x, torch.Tensor) else x for x in flat] for t in tapes]
+    starts = [len(t.nodes) for t in tapes]
+    grad = torch.is_grad_enabled()
+    amp = any_autocast_enabled is None or any_autocast_enabled()  # (its ops cast as autocast said: not re-entered)
+    out = func(*args, **kwargs)
+    cls = args[0]
+    leaves = out if type(out) is tuple else (out,)
+    for tape, a, vals in zip(tapes, starts, reads):
+        b = len(tape.nodes)
+        outs = [tape.value_of(unwrap_all(o)) if isinstance(o, torch.Tensor) else None for o in leaves]
+        ok = not amp and all(v is not None and a <= v.node < b for o, v in zip(leaves, outs) if isinstance(o, torch.Tensor))
+        tape.functions[cls] = ok and tape.functions.get(cls, True)
+        if ok:
+            tape.spans.append((a, b, FunctionStep(cls, vals, spec, outs, grad), None))
+    return out
 
 
 # what the tape cannot replay (no op reaches the dispatcher, or none that says it): ``.data``

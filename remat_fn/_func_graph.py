@@ -22,7 +22,7 @@ import torch
 from ._func_semantics import ForwardHook
 from ._functorch import batch_layers, forward_mode_active, grad_wrappers, is_grad_kind, live_levels, rebatch, unwrap_all
 from ._offload_buffers import quiet
-from ._torch_internals import DisableFuncTorch, dispatch_stack_len, function_mode_enabled, is_view, saved_tensor_attrs
+from ._torch_internals import DisableFuncTorch, dispatch_stack_len, function_class, function_mode_enabled, is_view, saved_tensor_attrs
 from .memory import storage_released
 
 __all__ = ["KeepHandles", "Unpack", "alias_output", "release_outputs", "from_graph", "note_storage",
@@ -222,21 +222,22 @@ def can_drop_graph(saved, grads) -> bool:
     return all(lv == this for lv in alive)
 
 
-def foreign_functions(roots, own) -> bool:
+def foreign_functions(roots, own, replayed=frozenset()) -> bool:
     """True when the graph behind ``roots`` holds a custom ``autograd.Function`` other than
-    the regions' own (class ``own``, or the single-level class functorch generates for it):
-    its recorded forward ops are not what autograd differentiates through it (its
-    ``backward`` and ``jvp`` are), so no replay of them can stand in."""
-    mine = (own.__name__, f"{own.__name__}Generated")
-    seen: dict[int, Any] = {}
+    the regions' own (class ``own``) and those whose every call the tape holds as one step
+    (``replayed``, see remat_fn._replay_live): the recorded ops of its forward are not what
+    autograd differentiates through it (its ``backward`` and ``jvp`` are), so no replay of
+    them can stand in."""
+    seen: dict[int, Any] = {}  # (holding the nodes: a Python node made on access keeps its id)
     stack = list(roots)
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen[id(node)] = node
-        if isinstance(node, torch.autograd.function.BackwardCFunction) and \
-                getattr(getattr(node, "_forward_cls", None), "__name__", None) not in mine:
-            return True
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            cls = function_class(node)
+            if cls is not own and cls not in replayed:
+                return True
         stack.extend(n for n, _ in node.next_functions)
     return False

@@ -104,7 +104,7 @@ from ._path_hooks import Frame, finish_tape
 from ._profile import storage_bytes
 from ._record import Diverged, Record, recording_tapes, saving
 from ._region import RegionCall, region_depth
-from ._replay_live import CannotReplay, output_value, replay_fn
+from ._replay_live import CannotReplay, output_value, replay_fn, replayed
 from ._rng_state import RNGSnapshot
 from ._tape import Tape, Value
 from ._torch_internals import top_hooks, use_count
@@ -175,7 +175,7 @@ class _RematFunction(torch.autograd.Function):
                     if frame is not None:  # (checked if a replay is asked for: the graph is kept anyway)
                         spec.roots = roots
                     else:  # (checked now: these nodes would hold the level's graph)
-                        spec.foreign = spec.foreign or foreign_functions(roots, _RematFunction)
+                        spec.foreign = spec.foreign or foreign_functions(roots, _RematFunction, replayed(tape))
                 mask = [_is_diff(t) and carries_grad(t) for t in o]
                 box.append((rb, mask, saved_storages(o) if keep and measure else noted,
                             pos, refs))
@@ -371,8 +371,10 @@ def _replayable(spec: RegionState) -> bool:
     """The recorded forward can stand in for the function (see remat_fn._replay_live)."""
     if spec.out_values is None or spec.batched:  # (the tape holds the ops below the vmaps)
         return False
+    if spec.tape is not None and not all(spec.tape.functions.values()):  # (a custom Function no step stands for)
+        return False
     if spec.foreign is None:
-        spec.foreign = foreign_functions(spec.roots, _RematFunction)
+        spec.foreign = foreign_functions(spec.roots, _RematFunction, replayed(spec.tape))
         spec.roots = []
     return not spec.foreign
 

@@ -23,8 +23,12 @@ mask), which a ``vmap`` in ``'error'`` randomness mode would refuse.  A replay t
 cannot be exact raises :class:`CannotReplay` and the function runs again instead
 (see ``docs/design.md``): a random op whose result depends on the inputs
 (``native_dropout``, ``rrelu``), a random op whose outputs the tape holds and that
-depends on them, and a custom ``autograd.Function`` inside the region (its ``backward``,
-not its forward's ops, is what autograd differentiates; checked by the caller).
+depends on them, and a custom ``autograd.Function`` that cannot run as one step.
+
+A custom ``autograd.Function`` the region applied is one step (``FunctionStep``, noted
+by the region's torch function mode): the replay applies the Function to the replayed
+arguments, so each transform differentiates it by its own rules (its ``backward``, not
+its forward's ops, is what autograd differentiates).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import contextlib
 
 import torch
 
+from ._captures import FunctionStep
 from ._func_semantics import replace_at
 from ._functorch import unwrap_all
 from ._ops import ALIASING, arg_meta, no_autocast, reenter, run_recorded
@@ -40,7 +45,7 @@ from ._tape import Value
 from ._torch_internals import DisableFuncTorch, TorchDispatchMode
 from ._unseen import unseen_alias
 
-__all__ = ["CannotReplay", "replay_outputs", "replay_fn", "output_value", "INDEPENDENT"]
+__all__ = ["CannotReplay", "replay_outputs", "replay_fn", "replayed", "output_value", "INDEPENDENT"]
 
 _NULL = contextlib.nullcontext()
 
@@ -71,12 +76,14 @@ def _plain(x):
     return unwrap_all(x) if isinstance(x, torch.Tensor) else x
 
 
-def _through_transforms(tape, run, inputs: set) -> tuple[set, set]:
+def _through_transforms(tape, run, inputs: set, fns: list) -> tuple[set, set]:
     """The nodes of ``run`` that run through the active transforms: those reading a value
     that depends on the inputs (``inputs``: ids of their Values) or was made by such a
-    node, and those making a value such a node writes into (it must be a value of the
-    transforms too: ``h = zeros(..); h[1:].copy_(x)``).  Returns them and the ids of the
-    values they make (with ``inputs``)."""
+    node, those making a value such a node writes into (it must be a value of the
+    transforms too: ``h = zeros(..); h[1:].copy_(x)``), and every node of a custom
+    Function's span (``fns``: ``(nodes, step)``) one of whose arguments or nodes is such
+    (the Function's rules differentiate it, whatever its ops read).  Returns them and the
+    ids of the values they make (with ``inputs``)."""
     nodes = tape.nodes
     top: set[int] = set()
     while True:
@@ -102,6 +109,9 @@ def _through_transforms(tape, run, inputs: set) -> tuple[set, set]:
                     m = nodes[w.node]
                     if m is not None and (m.func.is_view or m.func in ALIASING):
                         todo.extend(m.reads[:1])
+        for ks, fn in fns:
+            if not ks <= top and (ks & top or any(type(x) is Value and id(x) in live for x in fn.flat)):
+                grow |= ks
         if not grow:
             break
         top |= grow
@@ -109,6 +119,11 @@ def _through_transforms(tape, run, inputs: set) -> tuple[set, set]:
         if nodes[k].rng is not None:
             raise CannotReplay(f"{nodes[k].func} draws random numbers into values that depend on the inputs")
     return top, live
+
+
+def replayed(tape) -> frozenset:
+    """The custom Function classes every call of which the tape holds as one step."""
+    return frozenset(c for c, ok in tape.functions.items() if ok) if tape is not None and tape.functions else frozenset()
 
 
 def output_value(tape, t: torch.Tensor):
@@ -180,16 +195,23 @@ def _written_from_before(tape, sub, start: int) -> bool:
 def _steps(tape, run, top: set, roots, make_call) -> list:
     """``run`` as the replay's steps: each region nested in the replayed one whose nodes
     depend on the inputs becomes one :class:`_Span` (``make_call(sub, steps, inputs,
-    outputs, opts, name)``: the function that runs it), the rest node by node.  Replayed
+    outputs, opts, name)``: the function that runs it; None: no region runs), each custom
+    Function whose nodes do one :class:`FunctionStep`, the rest node by node.  Replayed
     as plain nodes, a vjp of the replay would keep every activation of the nested regions
     at once; as regions, each keeps what its policy saves, as in the forward.  A span that
-    writes into a value from before it, or reads a buffer's private copy, runs node by node."""
+    writes into a value from before it, or reads a buffer's private copy, runs node by node
+    (a Function's cannot: :class:`CannotReplay`)."""
     nodes = tape.nodes
     last: dict[int, int] = {}  # id(value) -> the last node of run reading it
     for k in run:
         for x in nodes[k].flat:
             if type(x) is Value:
                 last[id(x)] = k
+    for a, _, fn, _ in tape.spans:  # (a Function step reads its arguments where it starts)
+        if type(fn) is FunctionStep:
+            for x in fn.flat:
+                if type(x) is Value:
+                    last[id(x)] = max(last.get(id(x), -1), a)
     for v in roots:
         last[id(v)] = len(nodes)
     spans = sorted((s for s in tape.spans if s[1] > s[0]), key=lambda s: (s[0], -s[1]))
@@ -217,8 +239,15 @@ def _steps(tape, run, top: set, roots, make_call) -> list:
             sub_steps = build(sub, inner)
             made = [v for k in sub for v in (*nodes[k].outs, *(w for _, w in nodes[k].writes)) if v is not None]
             outputs = list({id(v): v for v in made if last.get(id(v), -1) >= b}.values())
+            if type(opts) is FunctionStep:
+                if any(k in top for k in sub):
+                    _function_step(tape, sub, inner, outputs, opts, a)
+                    steps.append((sub[-1], opts))
+                else:  # (no transform differentiates it: its ops, as they ran)
+                    steps.extend(sub_steps)
+                continue
             inputs = list({id(x): x for k in sub for x in nodes[k].flat if type(x) is Value and x.node < a}.values())
-            if not outputs or not any(k in top for k in sub) or any(x.node < 0 and x.snap is not None for x in inputs) \
+            if make_call is None or not outputs or not any(k in top for k in sub) or any(x.node < 0 and x.snap is not None for x in inputs) \
                     or _written_from_before(tape, sub, a):
                 steps.extend(sub_steps)
                 continue
@@ -227,6 +256,20 @@ def _steps(tape, run, top: set, roots, make_call) -> list:
         return steps
 
     return build(list(run), spans)
+
+
+def _function_step(tape, sub, inner, outputs, fn, a) -> None:
+    """Check that the custom Function of span ``sub`` can replay as one step: nothing after
+    it reads a value its forward made but did not return, it neither draws random numbers
+    nor writes a value from before it, and no region is nested in it (whose Python the
+    Function's forward would run again)."""
+    outs = {id(v) for v in fn.outs if v is not None}
+    if any(id(v) not in outs for v in outputs):
+        raise CannotReplay(f"a value {fn.cls.__name__}'s forward made is read outside it")
+    if any(type(s[2]) is not FunctionStep for s in inner):
+        raise CannotReplay(f"a region is nested in {fn.cls.__name__}'s forward")
+    if any(tape.nodes[k].rng is not None for k in sub) or _written_from_before(tape, sub, a):
+        raise CannotReplay(f"{fn.cls.__name__}'s forward draws random numbers or writes a value from before it")
 
 
 def _not_an_input(v):  # pragma: no cover - _steps makes every value from before a span an input
@@ -240,12 +283,25 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None, region=No
     name, opts, args)``: runs ``fun`` as a region (the regions nested in this one, see
     :func:`_steps`)."""
     roots = [v for v in outs if type(v) is Value]
-    run, held, outside = tape.plan([*roots, *tape.out_writes], lambda v: False)
+    want = [*roots, *tape.out_writes]
+    run, held, outside = tape.plan(want, lambda v: False)
     nodes = tape.nodes
+    fns: list = []
+    if tape.functions:  # (a custom Function replays as one step: its every argument is needed)
+        spans = [(a, b, fn) for a, b, fn, _ in tape.spans if type(fn) is FunctionStep]
+        while True:
+            have = set(run)
+            fns = [(ks, fn) for a, b, fn in spans if (ks := {k for k in range(a, b) if k in have})]
+            more = [x for _, fn in fns for x in fn.flat if type(x) is Value and x.node >= 0 and x.node not in have]
+            if not more:
+                break
+            want += more
+            run, held, outside = tape.plan(want, lambda v: False)
     # (a value of a storage the region writes, a BatchNorm's running statistics, is read from
     # a private copy, as the plain replay reads it: a constant, never the caller's tensor)
-    inputs = {id(v) for v in outside if v.snap is None and v.t is not None and id(v.t) in subst}
-    top, live = _through_transforms(tape, run, inputs)
+    read = [*outside, *(x for _, fn in fns for x in fn.flat if type(x) is Value and x.node < 0)]
+    inputs = {id(v) for v in read if v.snap is None and v.t is not None and id(v.t) in subst}
+    top, live = _through_transforms(tape, run, inputs, fns)
     for v in held:
         n = nodes[v.node]
         if n is None or any(id(r) in live for r in n.reads):
@@ -270,6 +326,9 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None, region=No
     def runner(node, args, kwargs, keep=True):
         if type(node) is _Span:
             return node.call(*args)
+        if type(node) is FunctionStep:  # (through the transforms: see _through_transforms)
+            with torch.set_grad_enabled(node.grad):
+                return node.cls.apply(*args, **kwargs)
         kept = keep and bool(entries) and node.key is not None and entries.get(node.key) is not None \
             and not node.writes and node.rng is None
         if id(node) in top_ids:
@@ -298,7 +357,7 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None, region=No
         return lambda *tensors: region(span, span_name, opts, tensors)
 
     end = len(nodes)
-    steps = _steps(tape, run, top, roots, make_call) if region is not None and tape.spans and run else None
+    steps = _steps(tape, run, top, roots, make_call if region is not None else None) if tape.spans and run else None
     with no_autocast(), reenter(tape.modes), rec.replaying() if entries else _NULL:
         got = tape.run_nodes(run, [(v, end) for v in roots], get, env, writes, runner, steps) if run else [get(v) for v in roots]
     it = iter(got)

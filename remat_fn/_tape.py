@@ -159,6 +159,7 @@ class Tape:
         self.spans: list[tuple] = []
         self.out_writes: list = []  # the last write into each output's storage (see _replay_live.output_value)
         self.made: set[int] = set()  # storages the region's ops allocated (see remat_fn._unseen)
+        self.functions: dict = {}  # custom autograd.Function class -> every call a step of its own (see _replay_live)
 
     def first_write(self, key: int, pos: int):
         """The write autograd expects into a tensor it saved at ``pos``: the first write into

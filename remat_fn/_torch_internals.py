@@ -26,6 +26,10 @@ Notes, cited from the code as ``NOTE [name]``:
   tensor's counter back on its copy (``_unsafe_set_version_counter``).
 - NOTE [op schemas]: policies and the record of a forward read an op's schema
   (mutability, returns) from ``OpOverload._schema``.
+- NOTE [custom Functions under functorch]: a custom ``autograd.Function`` applied
+  under a transform goes through ``custom_function_call`` (which a torch function
+  mode sees, so a region records where it starts and ends), and its graph node's
+  class is generated per level around the user's class (found in its closure).
 - NOTE [autograd nodes' saved tensors]: what plain autograd would save is read
   from a graph's nodes (``_saved_*`` attributes) where hooks are refused.
 - NOTE [dispatch modes and Dynamo]: torch wraps a dispatch mode's
@@ -100,6 +104,10 @@ for _name in ("is_functorch_wrapped_tensor", "get_unwrapped", "unwrap_if_dead", 
               "CVmapInterpreterPtr", "RandomnessType", "is_batchedtensor", "maybe_get_bdim", "_add_batch_dim"):
     _attr(functorch, "torch._C._functorch", _name)
 functorch_active = _attr(torch._C, "torch._C", "_are_functorch_transforms_active")
+# NOTE [custom Functions under functorch]: under a functorch transform ``Function.apply``
+# calls this higher-order op (a torch function mode sees it), and the graph's node is of a
+# class generated per level, whose ``forward`` closes over the user's class
+custom_function_call = _from("torch._functorch.autograd_function", "custom_function_call")
 
 # modes
 DisableTorchFunction = _attr(torch._C, "torch._C", "DisableTorchFunction")
@@ -165,6 +173,20 @@ def use_count(t: torch.Tensor) -> int:
 def schema(op: Any) -> Any:
     """An ``OpOverload``'s schema (NOTE [op schemas])."""
     return op._schema
+
+
+def function_class(node: Any) -> Any:
+    """The user's ``autograd.Function`` class behind a graph node of a custom Function (its
+    own class, or the one functorch generated for it at a level, NOTE [custom Functions
+    under functorch]); None for any other node."""
+    cls = getattr(node, "_forward_cls", None)
+    if cls is None or issubclass(cls, torch.autograd.Function):
+        return cls
+    for cell in getattr(cls.forward, "__closure__", None) or ():  # (a _SingleLevelFunction)
+        c = cell.cell_contents
+        if isinstance(c, type) and issubclass(c, torch.autograd.Function):
+            return c
+    return cls
 
 
 def saved_tensor_attrs(node: Any) -> tuple[str, ...]:
