@@ -145,8 +145,8 @@ class STE(torch.autograd.Function):
 
 class Square(torch.autograd.Function):
     """``x * x`` as a custom ``autograd.Function`` (with a forward-mode rule and torch's generated
-    vmap rule): inside a region, backward runs the function again where an outer transform
-    differentiates it (its backward, not its forward's ops, is what autograd differentiates)."""
+    vmap rule): inside a region, a replay through the transforms applies it again, as one step
+    (its backward, not its forward's ops, is what autograd differentiates)."""
     generate_vmap_rule = True
 
     @staticmethod
