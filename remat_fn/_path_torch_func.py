@@ -47,7 +47,7 @@ import torch
 
 from ._ambient import AMBIENT
 from ._budget import Measuring
-from ._captures import Known, MissedCapture, nested_in_forward, note_region_inputs, note_region_outputs, substituted
+from ._captures import FunctionStep, Known, MissedCapture, nested_in_forward, note_region_inputs, note_region_outputs, substituted
 from ._closures import reachable_tensors
 from ._describe import describe
 from ._errors import RematError
@@ -199,8 +199,13 @@ class _RematFunction(torch.autograd.Function):
             spec.written = tape.pre_write
             tape.written_storages = []  # (only a retry of this forward puts them back)
             rebuild, mask, saved, pos, refs = box.pop()
-            if refs or draws_in_vmap(spec, tape, batched=True):  # side outputs are swapped into the caller's objects, which that
-                spec.graph = None  # graph holds as its outputs (batched draws: see draws_in_vmap): backward re-runs
+            # Side outputs are swapped into the caller's objects: backward replays the recorded forward,
+            # or, under vmap(grad), where no replay runs, differentiates the level's graph (its outputs
+            # private aliases, see alias_output) unless a region nested in this one holds one of them
+            # (swapped, its version checks would fail); batched draws: see draws_in_vmap
+            if (refs and (not spec.batched or any(type(s[2]) is not FunctionStep for s in tape.spans))) \
+                    or draws_in_vmap(spec, tape, batched=True):
+                spec.graph = None  # backward re-runs (or replays)
             if spec.graph is not None:
                 douts = release_outputs(douts)
             diff, other = iter(douts), iter(aux)

@@ -146,3 +146,41 @@ def test_random_draws_under_vmap_match_plain_where_the_graph_serves_and_where_it
         return a, b, c
 
     assert_tree_close(run(remat(f)), run(f))
+
+
+def _side_program(how):
+    """``vmap(grad)`` of a loss over a region that appends a tensor to a list, read after it."""
+    def run(wrap, calls):
+        def loss(w, x):
+            side: list = []
+
+            def f(x, w):
+                calls.append(1)
+                h = torch.tanh(x @ w)
+                side.append(h)
+                if how == "stacked_inside":  # (the region reads the list it appends to)
+                    return torch.stack(side).sum(0) * 2 + x
+                return side[0] * 2 + h.sin()
+
+            o = wrap(f)(x, w)
+            s = side[0]
+            if how == "replaced_after":  # (the caller replaces the entry after the region)
+                side[0] = s * 1.0
+            return o.pow(2).sum() + s.pow(3).sum() + side[0].sum()
+        return vmap(grad(loss), in_dims=(None, 0))(_W, _XB)
+    return run
+
+
+@pytest.mark.parametrize("how", ["read_after", "replaced_after", "stacked_inside"])
+def test_vmap_grad_with_a_side_output_differentiates_the_forward_level_graph(how):
+    """A side output under ``vmap(grad)``: backward differentiates the forward level's graph,
+    as without one.  The function ran again, reading the caller's list as it was then: the
+    replacement (12.2 off before) or a list one entry longer (``stack``: a false
+    ``RecomputeMismatchError``)."""
+    run = _side_program(how)
+    plain: list = []
+    want = run(lambda f: f, plain)
+    calls: list = []
+    got = run(remat, calls)
+    assert_tree_close(got, want)
+    assert len(calls) == len(plain)
