@@ -365,7 +365,7 @@ class RegionState:
                  "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
                  "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "batched", "replay", "widen",
-                 "side_objs", "nested_side", "late_objs", "relocate")
+                 "side_objs", "nested_side", "late_objs", "relocate", "check")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -383,6 +383,7 @@ class RegionState:
         # the closure's places hold the replacements while the function runs (it handed a tensor it
         # closes over to torch.func itself, where no torch function replaces it: see MissedCapture)
         self.relocate = False
+        self.check = False  # strict checks (debug, early_stop=False): backward runs the function again to check it
         self.n_out = 0
         self.diff: list[bool] = []  # which outputs are differentiable (as in plain code)
         self.keep_graph = False  # the forward's vjp level keeps what autograd saves (see keep_nothing)

@@ -312,15 +312,14 @@ class _RematFunction(torch.autograd.Function):
         out_diff = ctx.out_diff
         detach = can_drop_graph(ctx.saved_tensors, grads)
         grads = tuple(unwrap_if_dead(g) if g is not None else None for g in grads)
+        if spec.check and (spec.graph is not None or _replayable(spec)):  # (strict checks: debug, early_stop=False)
+            _rerun_vjp(spec, tensors, wrt, out_diff, detach, _cotangents(spec, grads, out_diff),
+                       time.perf_counter())  # (checked against the forward; its gradient unused)
         # (grad mode off: nothing records this backward; a forward-mode level would, see from_graph)
         if (detach or not torch.is_grad_enabled()) and spec.graph is not None and not forward_mode_active() \
                 and (not spec.batched or grad_on_top()):  # (batched saved tensors: see rebatch)
             return from_graph(spec, tensors, wrt, grads)
-        cot = tuple(
-            g if g is not None else torch.zeros(m[0], dtype=m[1], device=m[2])
-            for g, m, d in zip(grads, spec.out_meta, out_diff)
-            if d
-        )
+        cot = _cotangents(spec, grads, out_diff)
         start = time.perf_counter()
         # The recorded forward, replayed (where an outer transform differentiates this backward,
         # and for a nested region): the regions nested in it replay as regions of their own
@@ -382,6 +381,12 @@ def _replayable(spec: RegionState) -> bool:
         spec.foreign = foreign_functions(spec.roots, _RematFunction, replayed(spec.tape))
         spec.roots = []
     return not spec.foreign
+
+
+def _cotangents(spec: RegionState, grads, out_diff) -> tuple:
+    """The differentiable outputs' cotangents (zeros for those nobody differentiates)."""
+    return tuple(g if g is not None else torch.zeros(m[0], dtype=m[1], device=m[2])
+                 for g, m, d in zip(grads, spec.out_meta, out_diff) if d)
 
 
 def _run_span(fun, name: str, opts, args: tuple):
@@ -474,7 +479,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         # (under vmap only where every vmap sits outside the other transforms, vmap(grad):
         # backward then runs under the forward's vmap levels, see remat_fn._func_graph.KeepHandles)
         spec.batched = any(any_batched(t) for t in (*inputs, *closed))
-        rerun = keep_graph or call.strict or (spec.offload is not None and spec.offload.rerun) \
+        spec.check = call.strict  # (a run again in backward checks the function; the gradient comes from the forward)
+        rerun = keep_graph or (spec.offload is not None and spec.offload.rerun) \
             or (spec.batched and not vmaps_outermost(levels))
         if rerun or nested:  # backward re-runs the function (nested: replays its recorded forward)
             spec.tape = Tape(func_path=True)
@@ -549,7 +555,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     # (the caller's objects holding side outputs, read by a run again of this call or of an enclosing one)
     late = spec.side_late()
     first = (late, spec.nested_side) if late or spec.nested_side else None
-    if first is not None and _replayable(spec) and spec.tape is not None \
+    if first is not None and not spec.check and _replayable(spec) and spec.tape is not None \
             and not any(nd is not None and nd.rng is not None for nd in spec.tape.nodes):
         spec.side_objs, spec.nested_side, spec.late_objs = [], {}, []  # (no run again of this call reads them)
     del side  # the forward's side tensors (now in these objects) die here, with their history

@@ -1,0 +1,142 @@
+"""Strict checks (``debug=True``) on the ``torch.func`` path run the function again in
+backward to check it against the forward; the gradient and the tangents come, as without
+them, from the forward level's graph or the replay of the recorded forward.  The re-run's
+result was the gradient until this: a re-run reads the caller's Python state as it is then
+(a list entry replaced or deleted after the forward) and, inside ``jvp``'s forward, wrote
+its own tensors into the caller's dicts and attributes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import grad
+
+from remat_fn import RecomputeMismatchError, remat
+
+from ._util import Square, assert_tree_close, ident, two_argument_transforms
+
+D = torch.float64
+_G = torch.Generator().manual_seed(11)
+_X = torch.randn(3, dtype=D, generator=_G)
+_W = torch.randn(3, dtype=D, generator=_G)
+
+
+def _debug(f):
+    return remat(f, debug=True)
+
+
+class _Holder:
+    pass
+
+
+def _h(x, w, custom):
+    h = torch.sin(x * w)
+    return Square.apply(h) if custom else h
+
+
+def _dict(x, w, wrap, custom):
+    side = {}
+
+    def f(x):
+        side["h"] = _h(x, w, custom)
+        return side["h"] * 2 + x
+
+    return wrap(f)(x).pow(2).sum() + side["h"].pow(3).sum()
+
+
+def _attr(x, w, wrap, custom):
+    m = _Holder()
+
+    def f(x):
+        m.h = _h(x, w, custom)
+        return m.h * 2 + x
+
+    return wrap(f)(x).pow(2).sum() + m.h.pow(3).sum()
+
+
+def _replaced_after(x, w, wrap, custom):
+    side = []
+
+    def f(x):
+        h = _h(x, w, custom)
+        side.append(h)
+        return side[0] * 2 + h
+
+    o = wrap(f)(x)
+    s = side[0]
+    side[0] = s * 1.0
+    return o.pow(2).sum() + s.pow(3).sum()
+
+
+def _deleted_after(x, w, wrap, custom):
+    side = []
+
+    def f(x):
+        h = _h(x, w, custom)
+        side.append(h)
+        return side[0] * 2 + h
+
+    o = wrap(f)(x)
+    del side[0]
+    return o.pow(2).sum()
+
+
+def _two_calls_shared(x, w, wrap, custom):
+    side = []
+
+    def f(x):
+        h = _h(x, w, custom)
+        side.append(h)
+        return side[0] * 2 + h
+
+    g = wrap(f)
+    o2 = g(g(x))
+    return o2.pow(2).sum() + side[0].pow(3).sum() + side[1].sum()
+
+
+# program -> the transforms where the debug region's result was off (1.8 to 216)
+_CASES = {
+    "dict": (_dict, ["jvp", "hessian"]),
+    "attr": (_attr, ["jvp", "hessian"]),
+    "replaced_after": (_replaced_after, ["grad", "hessian", "grad_of_grad", "vmap_grad"]),
+    "deleted_after": (_deleted_after, ["hessian"]),
+    "two_calls_shared": (_two_calls_shared, ["jvp", "hessian"]),
+}
+
+
+@pytest.mark.parametrize("custom", [False, True], ids=["plain_ops", "custom_function"])
+@pytest.mark.parametrize("case", [(n, t) for n, (_, ts) in _CASES.items() for t in ts], ids=lambda c: f"{c[0]}-{c[1]}")
+def test_debug_region_with_side_outputs_matches_plain(case, custom):
+    name, transform = case
+    program = _CASES[name][0]
+    run = two_argument_transforms(_X, _W)[transform]
+    want = run(lambda x, w: program(x, w, ident, custom))
+    got = run(lambda x, w: program(x, w, _debug, custom))
+    assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("transform", ["grad", "hessian", "grad_of_grad"])
+def test_debug_still_runs_the_function_again_and_checks_it(transform):
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return (x.sin() * x).sum() if len(calls) == 1 else (x.cos() * x[:2].sum()).sum()
+
+    run = two_argument_transforms(_X, _W)[transform]
+    with pytest.raises(RecomputeMismatchError, match="did not reproduce the forward"):
+        run(lambda x, w: _debug(f)(x * w))
+
+
+def test_debug_under_grad_runs_the_function_twice_with_plain_gradients():
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return (x.sin() * x).sum()
+
+    want = grad(f)(_X)
+    calls.clear()
+    got = grad(_debug(f))(_X)
+    assert_tree_close(got, want, rtol=1e-12, atol=1e-12)
+    assert len(calls) == 2
