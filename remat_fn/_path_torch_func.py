@@ -15,9 +15,10 @@ so when a functorch transform is active the region runs inside
   (:mod:`remat_fn._replay_live`).  It runs the region again with
   ``torch.func.vjp``, computing only the ops the tape's plan needs, where no
   replay can stand in (a ``vmap`` inside a grad level around the forward, an
-  outer level differentiating a ``vmap(grad)`` backward, a region with regions
-  nested in it, a custom ``autograd.Function`` inside, ``debug=True``,
-  offloaded inputs: docs/design.md).  ``generate_vmap_rule`` covers ``vmap``.
+  outer level differentiating a ``vmap(grad)`` backward, a custom
+  ``autograd.Function`` no replay step stands for, offloaded inputs:
+  docs/design.md); ``debug=True`` runs it again too, to check it, the gradient
+  coming from the graph or the replay.  ``generate_vmap_rule`` covers ``vmap``.
 * Under ``vmap(grad)`` (every vmap outside the other transforms) backward
   differentiates the forward level's graph under the forward's vmap levels:
   the tape replays the batched tensors below them and the unpack puts their
