@@ -485,11 +485,17 @@ class FunctionStep:
         self.kw, self.writes = None, ()
 
 
+# arguments a Function's replay may take as they were (values that cannot change after the call)
+_CONSTANTS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+              torch.memory_format, slice, type(Ellipsis))
+
+
 def _function_steps(func, args, kwargs):
     """Apply a custom Function in a region's forward (``custom_function_call``, under a
     transform), noting its span on every recording tape: a :class:`FunctionStep` where its
-    outputs are tensors its forward's ops made (else its class is marked not replayable:
-    regions holding it run again where a replay would be needed)."""
+    outputs are distinct tensors its forward's ops made and its other arguments constants
+    (else its class is marked not replayable: regions holding it run again where a replay
+    would be needed)."""
     tapes = [t for t in recording_tapes() if t.reg is not None]
     flat, spec = optree.tree_flatten((args[1:], kwargs), none_is_leaf=True)
     reads = [[t.lookup(unwrap_all(x)) if isinstance(x, torch.Tensor) else x for x in flat] for t in tapes]
@@ -499,10 +505,15 @@ def _function_steps(func, args, kwargs):
     out = func(*args, **kwargs)
     cls = args[0]
     leaves = out if type(out) is tuple else (out,)
+    # (its forward and setup_context run again in the replay: an argument that is a Python object
+    # of the caller's, which may change after the call, is not replayed)
+    ok_args = not amp and all(isinstance(x, (torch.Tensor, *_CONSTANTS)) for x in flat)
     for tape, a, vals in zip(tapes, starts, reads):
         b = len(tape.nodes)
         outs = [tape.value_of(unwrap_all(o)) if isinstance(o, torch.Tensor) else None for o in leaves]
-        ok = not amp and all(v is not None and a <= v.node < b for o, v in zip(leaves, outs) if isinstance(o, torch.Tensor))
+        made = [v for v in outs if v is not None]
+        ok = ok_args and len({id(v) for v in made}) == len(made) \
+            and all(v is not None and a <= v.node < b for o, v in zip(leaves, outs) if isinstance(o, torch.Tensor))
         tape.functions[cls] = ok and tape.functions.get(cls, True)
         if ok:
             tape.spans.append((a, b, FunctionStep(cls, vals, spec, outs, grad), None))
