@@ -54,42 +54,33 @@ def _attr(x, w, wrap, custom):
     return wrap(f)(x).pow(2).sum() + m.h.pow(3).sum()
 
 
-def _replaced_after(x, w, wrap, custom):
-    side = []
-
+def _appending(side: list, w, custom):
+    """A region that appends to ``side`` and reads its first entry."""
     def f(x):
         h = _h(x, w, custom)
         side.append(h)
         return side[0] * 2 + h
+    return f
 
-    o = wrap(f)(x)
+
+def _replaced_after(x, w, wrap, custom):
+    side: list = []
+    o = wrap(_appending(side, w, custom))(x)
     s = side[0]
     side[0] = s * 1.0
     return o.pow(2).sum() + s.pow(3).sum()
 
 
 def _deleted_after(x, w, wrap, custom):
-    side = []
-
-    def f(x):
-        h = _h(x, w, custom)
-        side.append(h)
-        return side[0] * 2 + h
-
-    o = wrap(f)(x)
+    side: list = []
+    o = wrap(_appending(side, w, custom))(x)
     del side[0]
     return o.pow(2).sum()
 
 
 def _two_calls_shared(x, w, wrap, custom):
-    side = []
-
-    def f(x):
-        h = _h(x, w, custom)
-        side.append(h)
-        return side[0] * 2 + h
-
-    g = wrap(f)
+    side: list = []
+    g = wrap(_appending(side, w, custom))
     o2 = g(g(x))
     return o2.pow(2).sum() + side[0].pow(3).sum() + side[1].sum()
 
