@@ -498,16 +498,18 @@ def _function_steps(func, args, kwargs):
     would be needed)."""
     tapes = [t for t in recording_tapes() if t.reg is not None]
     flat, spec = optree.tree_flatten((args[1:], kwargs), none_is_leaf=True)
-    reads = [[t.lookup(unwrap_all(x)) if isinstance(x, torch.Tensor) else x for x in flat] for t in tapes]
+    # (its forward and setup_context run again in the replay: an argument that is a Python object
+    # of the caller's, which may change after the call, is not replayed; nor, under autocast, its
+    # ops, cast as autocast said where the replay does not re-enter it)
+    ok_args = not (any_autocast_enabled is None or any_autocast_enabled()) \
+        and all(isinstance(x, (torch.Tensor, *_CONSTANTS)) for x in flat)
+    reads = [[t.lookup(unwrap_all(x)) if isinstance(x, torch.Tensor) else x for x in flat] if ok_args else None
+             for t in tapes]
     starts = [len(t.nodes) for t in tapes]
     grad = torch.is_grad_enabled()
-    amp = any_autocast_enabled is None or any_autocast_enabled()  # (its ops cast as autocast said: not re-entered)
     out = func(*args, **kwargs)
     cls = args[0]
     leaves = out if type(out) is tuple else (out,)
-    # (its forward and setup_context run again in the replay: an argument that is a Python object
-    # of the caller's, which may change after the call, is not replayed)
-    ok_args = not amp and all(isinstance(x, (torch.Tensor, *_CONSTANTS)) for x in flat)
     for tape, a, vals in zip(tapes, starts, reads):
         b = len(tape.nodes)
         outs = [tape.value_of(unwrap_all(o)) if isinstance(o, torch.Tensor) else None for o in leaves]

@@ -222,10 +222,10 @@ def can_drop_graph(saved, grads) -> bool:
     return all(lv == this for lv in alive)
 
 
-def foreign_functions(roots, own, replayed=frozenset()) -> bool:
+def foreign_functions(roots, own, steps=None) -> bool:
     """True when the graph behind ``roots`` holds a custom ``autograd.Function`` other than
     the regions' own (class ``own``) and those whose every call the tape holds as one step
-    (``replayed``, see remat_fn._replay_live): the recorded ops of its forward are not what
+    (``steps``: ``Tape.functions``, see remat_fn._replay_live): the recorded ops of its forward are not what
     autograd differentiates through it (its ``backward`` and ``jvp`` are), so no replay of
     them can stand in."""
     seen: dict[int, Any] = {}  # (holding the nodes: a Python node made on access keeps its id)
@@ -237,7 +237,7 @@ def foreign_functions(roots, own, replayed=frozenset()) -> bool:
         seen[id(node)] = node
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             cls = function_class(node)
-            if cls is not own and cls not in replayed:
+            if cls is not own and not (steps and steps.get(cls)):
                 return True
         stack.extend(n for n, _ in node.next_functions)
     return False

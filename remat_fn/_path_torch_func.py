@@ -105,7 +105,7 @@ from ._path_hooks import Frame, finish_tape
 from ._profile import storage_bytes
 from ._record import Diverged, Record, recording_tapes, saving
 from ._region import RegionCall, region_depth
-from ._replay_live import CannotReplay, output_value, replay_fn, replayed
+from ._replay_live import CannotReplay, output_value, replay_fn
 from ._rng_state import RNGSnapshot
 from ._tape import Tape, Value
 from ._torch_internals import top_hooks, use_count
@@ -176,7 +176,7 @@ class _RematFunction(torch.autograd.Function):
                     if frame is not None:  # (checked if a replay is asked for: the graph is kept anyway)
                         spec.roots = roots
                     else:  # (checked now: these nodes would hold the level's graph)
-                        spec.foreign = spec.foreign or foreign_functions(roots, _RematFunction, replayed(tape))
+                        spec.foreign = spec.foreign or foreign_functions(roots, _RematFunction, tape.functions)
                 mask = [_is_diff(t) and carries_grad(t) for t in o]
                 box.append((rb, mask, saved_storages(o) if keep and measure else noted,
                             pos, refs))
@@ -379,7 +379,7 @@ def _replayable(spec: RegionState) -> bool:
     if spec.tape is not None and not all(spec.tape.functions.values()):  # (a custom Function no step stands for)
         return False
     if spec.foreign is None:
-        spec.foreign = foreign_functions(spec.roots, _RematFunction, replayed(spec.tape))
+        spec.foreign = foreign_functions(spec.roots, _RematFunction, spec.tape and spec.tape.functions)
         spec.roots = []
     return not spec.foreign
 

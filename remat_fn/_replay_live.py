@@ -45,7 +45,7 @@ from ._tape import Value
 from ._torch_internals import DisableFuncTorch, TorchDispatchMode
 from ._unseen import unseen_alias
 
-__all__ = ["CannotReplay", "replay_outputs", "replay_fn", "replayed", "output_value", "INDEPENDENT"]
+__all__ = ["CannotReplay", "replay_outputs", "replay_fn", "output_value", "INDEPENDENT"]
 
 _NULL = contextlib.nullcontext()
 
@@ -119,11 +119,6 @@ def _through_transforms(tape, run, inputs: set, fns: list) -> tuple[set, set]:
         if nodes[k].rng is not None:
             raise CannotReplay(f"{nodes[k].func} draws random numbers into values that depend on the inputs")
     return top, live
-
-
-def replayed(tape) -> frozenset:
-    """The custom Function classes every call of which the tape holds as one step."""
-    return frozenset(c for c, ok in tape.functions.items() if ok) if tape is not None and tape.functions else frozenset()
 
 
 def output_value(tape, t: torch.Tensor):
