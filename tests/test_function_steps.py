@@ -24,26 +24,24 @@ _X = torch.randn(3, dtype=D, generator=_G)
 _W = torch.randn(3, dtype=D, generator=_G)
 
 
-class _Ones(torch.autograd.Function):
-    """Its output does not depend on its input's values; its gradient is 3 times the cotangent."""
+def _scaled_rules(name: str, forward, k: float):
+    """A one-input Function running ``forward``, whose gradient and tangent are ``k`` times
+    what comes in (not its forward's derivative)."""
+    return type(name, (torch.autograd.Function,), {
+        "generate_vmap_rule": True,
+        "forward": staticmethod(forward),
+        "setup_context": staticmethod(lambda ctx, inputs, output: None),
+        "backward": staticmethod(lambda ctx, g: k * g),
+        "jvp": staticmethod(lambda ctx, t: k * t),
+    })
 
-    generate_vmap_rule = True
 
-    @staticmethod
-    def forward(x):
-        return torch.ones_like(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        return 3 * g
-
-    @staticmethod
-    def jvp(ctx, t):
-        return 3 * t
+# its output does not depend on its input's values
+_Ones = _scaled_rules("_Ones", lambda x: torch.ones_like(x), 3.0)
+# draws random numbers in its forward (the replay cannot apply it again)
+_Noisy = _scaled_rules("_Noisy", lambda x: x + torch.rand(x.shape, dtype=x.dtype) * 0 + x.round(), 5.0)
+# returns its input (no op of its forward makes its output)
+_Same = _scaled_rules("_Same", lambda x: x, 7.0)
 
 
 class _Two(torch.autograd.Function):
@@ -71,50 +69,6 @@ class _Two(torch.autograd.Function):
     def jvp(ctx, tx, ty, _):
         x, y = ctx.saved_tensors
         return tx * ctx.scale * y.cos(), tx * x.exp()
-
-
-class _Noisy(torch.autograd.Function):
-    """Draws random numbers in its forward (the replay cannot apply it again)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return x + torch.rand(x.shape, dtype=x.dtype) * 0 + x.round()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        return 5 * g
-
-    @staticmethod
-    def jvp(ctx, t):
-        return 5 * t
-
-
-class _Same(torch.autograd.Function):
-    """Returns its input (no op of its forward makes its output)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return x
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        return 7 * g
-
-    @staticmethod
-    def jvp(ctx, t):
-        return 7 * t
 
 
 def _keywords_taken() -> bool:
@@ -191,6 +145,15 @@ def _square_side(x, w):
     return Square.apply(torch.sin(x * w))
 
 
+def _appending(side: list, w):
+    """A region that appends a custom Function's output to ``side`` and reads its first entry."""
+    def f(x):
+        h = _square_side(x, w)
+        side.append(h)
+        return side[0] * 2 + h
+    return f
+
+
 class _Holder:
     pass
 
@@ -233,14 +196,8 @@ def test_side_output_replaced_after_the_forward(transform):
     # the caller replaces side[0] after the region; the run again read the replacement
     # (10.7 off under grad, 7.2 under hessian, 64 under grad of grad before)
     def program(x, w, wrap):
-        side = []
-
-        def f(x):
-            h = _square_side(x, w)
-            side.append(h)
-            return side[0] * 2 + h
-
-        o = wrap(f)(x)
+        side: list = []
+        o = wrap(_appending(side, w))(x)
         s = side[0]
         side[0] = s * 1.0
         return o.pow(2).sum() + s.pow(3).sum()
@@ -254,14 +211,8 @@ def test_side_output_replaced_after_the_forward(transform):
 def test_one_region_called_twice_sharing_a_side_list(transform):
     # 4.1 off under jvp, 10.7 under hessian before
     def program(x, w, wrap):
-        side = []
-
-        def f(x):
-            h = _square_side(x, w)
-            side.append(h)
-            return side[0] * 2 + h
-
-        g = wrap(f)
+        side: list = []
+        g = wrap(_appending(side, w))
         o2 = g(g(x))
         return o2.pow(2).sum() + side[0].pow(3).sum() + side[1].sum()
 
