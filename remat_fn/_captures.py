@@ -20,7 +20,6 @@ import sys
 import weakref
 from typing import Any
 
-import optree
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
@@ -29,6 +28,7 @@ from ._ambient import AMBIENT
 from ._debug import CallTrace
 from ._describe import describe
 from ._errors import mutated_input
+from ._function_steps import forward_below, function_steps, invisible
 from ._functorch import (
     any_batched,
     carries_grad,
@@ -47,13 +47,12 @@ from ._torch_internals import (
     DisableFuncTorch,
     DisableTorchFunction,
     TorchDispatchMode,
-    any_autocast_enabled,
     custom_function_call,
     use_count,
 )
 from ._unseen import note_alias
 
-__all__ = ["CaptureMode", "FunctionStep", "Known", "MissedCapture", "first_run_of_nested", "nested_in_forward", "note_region_inputs",
+__all__ = ["CaptureMode", "Known", "MissedCapture", "first_run_of_nested", "nested_in_forward", "note_region_inputs",
            "note_region_outputs", "substituted", "swap_side_output"]
 
 
@@ -453,8 +452,10 @@ class CaptureMode(TorchFunctionMode):
             grad = AMBIENT.call_grad
             AMBIENT.call_grad = torch.is_grad_enabled()  # (what the tape records, see call_grad_mode)
             try:
-                if func is custom_function_call and self.known is not None and region_depth() == self.depth:
-                    out = _function_steps(func, args, kwargs)
+                if func is custom_function_call and invisible(args[0], self.levels):  # (under no_grad)
+                    out = forward_below(args, kwargs)
+                elif func is custom_function_call and self.known is not None and region_depth() == self.depth:
+                    out = function_steps(func, args, kwargs)
                 else:
                     out = func(*args, **kwargs)
             finally:
@@ -468,58 +469,6 @@ class CaptureMode(TorchFunctionMode):
             if self.trace is not None:
                 self.trace.step(func, out, self.known is None, self.name)
         return out
-
-
-class FunctionStep:
-    """A custom ``autograd.Function`` the region's forward applied, as one step of a replay
-    through the transforms (see remat_fn._replay_live): the replay applies the Function to
-    the values it read, so each transform differentiates it by the Function's own rules
-    (``backward``, ``jvp``, ``vmap``), not by the ops of its forward.  Its nodes are the
-    tape's ``[start, end)``; ``flat``/``spec``: its arguments (Values for tensors),
-    ``outs``: the Value of each output (None: not a tensor)."""
-
-    __slots__ = ("cls", "flat", "spec", "kw", "outs", "writes", "grad")
-
-    def __init__(self, cls, flat, spec, outs, grad: bool):
-        self.cls, self.flat, self.spec, self.outs, self.grad = cls, flat, spec, outs, grad
-        self.kw, self.writes = None, ()
-
-
-# arguments a Function's replay may take as they were (values that cannot change after the call)
-_CONSTANTS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
-              torch.memory_format, slice, type(Ellipsis))
-
-
-def _function_steps(func, args, kwargs):
-    """Apply a custom Function in a region's forward (``custom_function_call``, under a
-    transform), noting its span on every recording tape: a :class:`FunctionStep` where its
-    outputs are distinct tensors its forward's ops made and its other arguments constants
-    (else its class is marked not replayable: regions holding it run again where a replay
-    would be needed)."""
-    tapes = [t for t in recording_tapes() if t.reg is not None]
-    flat, spec = optree.tree_flatten((args[1:], kwargs), none_is_leaf=True)
-    # (its forward and setup_context run again in the replay: an argument that is a Python object
-    # of the caller's, which may change after the call, is not replayed; nor, under autocast, its
-    # ops, cast as autocast said where the replay does not re-enter it)
-    ok_args = not (any_autocast_enabled is None or any_autocast_enabled()) \
-        and all(isinstance(x, (torch.Tensor, *_CONSTANTS)) for x in flat)
-    reads = [[t.lookup(unwrap_all(x)) if isinstance(x, torch.Tensor) else x for x in flat] if ok_args else None
-             for t in tapes]
-    starts = [len(t.nodes) for t in tapes]
-    grad = torch.is_grad_enabled()
-    out = func(*args, **kwargs)
-    cls = args[0]
-    leaves = out if type(out) is tuple else (out,)
-    for tape, a, vals in zip(tapes, starts, reads):
-        b = len(tape.nodes)
-        outs = [tape.value_of(unwrap_all(o)) if isinstance(o, torch.Tensor) else None for o in leaves]
-        made = [v for v in outs if v is not None]
-        ok = ok_args and len({id(v) for v in made}) == len(made) \
-            and all(v is not None and a <= v.node < b for o, v in zip(leaves, outs) if isinstance(o, torch.Tensor))
-        tape.functions[cls] = ok and tape.functions.get(cls, True)
-        if ok:
-            tape.spans.append((a, b, FunctionStep(cls, vals, spec, outs, grad), None))
-    return out
 
 
 # what the tape cannot replay (no op reaches the dispatcher, or none that says it): ``.data``

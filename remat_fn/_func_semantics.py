@@ -38,6 +38,7 @@ from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
 from ._describe import describe, describe_meta
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_outside
+from ._function_steps import plan_steps
 from ._functorch import draws_batched, needs_grad, requires_grad_anywhere, storage_ptr, unwrap_if_dead
 from ._offload import FuncInputs
 from ._ops import PrivateWrites, private_copies
@@ -325,8 +326,7 @@ def plan_rerun(spec, roots, inputs) -> None:
     run, used_kept, used_outside = tape.plan_kept(roots, rec)
     replay = spec.out_values is not None
     if replay:
-        used_outside = used_outside | tape.plan([*roots, *tape.out_writes, *(v for v in spec.out_values if isinstance(v, Value))],
-                                                lambda v: False)[2]
+        used_outside = used_outside | plan_steps(tape, [*roots, *tape.out_writes, *(v for v in spec.out_values if isinstance(v, Value))])[3]
     tape.release(used_outside)
     # The recomputation re-runs the function, which reads the live tensors: the ones
     # the needed ops read must still be what the forward read.  The region's inputs

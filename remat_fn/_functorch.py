@@ -19,7 +19,7 @@ __all__ = [
     "unwrap_all", "version_alias",
     "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead",
     "forward_mode_active", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
-    "requires_grad_anywhere", "is_vmap_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
+    "requires_grad_anywhere", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
     "draws_batched", "batch_layers", "rebatch", "grad_on_top", "vmaps_outermost",
 ]
 
@@ -179,6 +179,10 @@ def is_grad_kind(kind) -> bool:
 
 def is_vmap_kind(kind) -> bool:
     return kind == C.TransformType.Vmap
+
+
+def is_jvp_kind(kind) -> bool:
+    return kind == _JVP
 
 
 def vmap_sizes() -> list[tuple[int, int]]:

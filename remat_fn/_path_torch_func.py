@@ -48,7 +48,7 @@ import torch
 
 from ._ambient import AMBIENT
 from ._budget import Measuring
-from ._captures import FunctionStep, Known, MissedCapture, nested_in_forward, note_region_inputs, note_region_outputs, substituted
+from ._captures import Known, MissedCapture, nested_in_forward, note_region_inputs, note_region_outputs, substituted
 from ._closures import reachable_tensors
 from ._describe import describe
 from ._errors import RematError
@@ -85,6 +85,7 @@ from ._func_semantics import (
     saved_inputs,
     undo_forward,
 )
+from ._function_steps import FunctionStep, plan_steps
 from ._functorch import (
     any_batched,
     carries_grad,
@@ -255,7 +256,8 @@ class _RematFunction(torch.autograd.Function):
                 spec.wrt = wrt
                 if spec.offload is not None:
                     spec.offload.hints = rec.hint_outputs(outs)
-                finish_tape(frame, tensors, outs, None, full=[*(v for v in spec.out_values or () if type(v) is Value), *tape.out_writes])
+                full = [*(v for v in spec.out_values or () if type(v) is Value), *tape.out_writes]
+                finish_tape(frame, tensors, outs, None, full=plan_steps(tape, full)[0])
             else:
                 plan_rerun(spec, roots, tensors)
             if isinstance(rec.policy, Measuring) and frame is None:  # memory_budget's first call

@@ -37,8 +37,8 @@ import contextlib
 
 import torch
 
-from ._captures import FunctionStep
 from ._func_semantics import replace_at
+from ._function_steps import FunctionStep, apply_step, plan_steps
 from ._functorch import unwrap_all
 from ._ops import ALIASING, arg_meta, no_autocast, reenter, run_recorded
 from ._tape import Value
@@ -255,14 +255,17 @@ def _steps(tape, run, top: set, roots, make_call) -> list:
 
 def _function_step(tape, sub, inner, outputs, fn, a) -> None:
     """Check that the custom Function of span ``sub`` can replay as one step: nothing after
-    it reads a value its forward made but did not return, it neither draws random numbers
-    nor writes a value from before it, and no region is nested in it (whose Python the
-    Function's forward would run again)."""
+    it reads a value its forward made but did not return, its forward reads no value of the
+    region but its arguments, it neither draws random numbers nor writes a value from before
+    it, and no region is nested in it."""
     outs = {id(v) for v in fn.outs if v is not None}
     if any(id(v) not in outs for v in outputs):
         raise CannotReplay(f"a value {fn.cls.__name__}'s forward made is read outside it")
     if any(type(s[2]) is not FunctionStep for s in inner):
         raise CannotReplay(f"a region is nested in {fn.cls.__name__}'s forward")
+    args = {id(x) for x in fn.flat if type(x) is Value}
+    if any(type(x) is Value and 0 <= x.node < a and id(x) not in args for k in sub for x in tape.nodes[k].flat):
+        raise CannotReplay(f"{fn.cls.__name__}'s forward reads a value of the region it was not given")
     if any(tape.nodes[k].rng is not None for k in sub) or _written_from_before(tape, sub, a):
         raise CannotReplay(f"{fn.cls.__name__}'s forward draws random numbers or writes a value from before it")
 
@@ -279,19 +282,9 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None, region=No
     :func:`_steps`)."""
     roots = [v for v in outs if type(v) is Value]
     want = [*roots, *tape.out_writes]
-    run, held, outside = tape.plan(want, lambda v: False)
+    # (a custom Function replays as one step: its every argument and output is computed)
+    _, run, held, outside, fns = plan_steps(tape, want)
     nodes = tape.nodes
-    fns: list = []
-    if tape.functions:  # (a custom Function replays as one step: its every argument is needed)
-        spans = [(a, b, fn) for a, b, fn, _ in tape.spans if type(fn) is FunctionStep]
-        while True:
-            have = set(run)
-            fns = [(ks, fn) for a, b, fn in spans if (ks := {k for k in range(a, b) if k in have})]
-            more = [x for _, fn in fns for x in fn.flat if type(x) is Value and x.node >= 0 and x.node not in have]
-            if not more:
-                break
-            want += more
-            run, held, outside = tape.plan(want, lambda v: False)
     # (a value of a storage the region writes, a BatchNorm's running statistics, is read from
     # a private copy, as the plain replay reads it: a constant, never the caller's tensor)
     read = [*outside, *(x for _, fn in fns for x in fn.flat if type(x) is Value and x.node < 0)]
@@ -322,8 +315,7 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None, region=No
         if type(node) is _Span:
             return node.call(*args)
         if type(node) is FunctionStep:  # (through the transforms: see _through_transforms)
-            with torch.set_grad_enabled(node.grad):
-                return node.cls.apply(*args, **kwargs)
+            return apply_step(node, args, kwargs, lambda given: function_forward(node, given))
         kept = keep and bool(entries) and node.key is not None and entries.get(node.key) is not None \
             and not node.writes and node.rng is None
         if id(node) in top_ids:
@@ -333,6 +325,20 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None, region=No
             if node.func in INDEPENDENT:  # (its tensor argument may be an input: its sizes only)
                 args = [_plain(a) for a in args]
             return rec.replay(node.func, node.key, args, kwargs) if kept else run_recorded(node, args, kwargs)
+
+    def function_forward(fn, given):  # (a Function's forward: its recorded ops, below the transforms)
+        ks = [k for k in run if fn.start <= k < fn.end]
+        env2 = dict(given)
+
+        def get2(v):
+            t = env2.get(id(v))
+            if t is None:  # (a constant from outside the region)
+                t = env2[id(v)] = _plain(get(v))
+            return t
+
+        made = tape.run_nodes(ks, [(v, fn.end) for v in fn.outs if v is not None], get2, env2,
+                              any(nodes[k].writes for k in ks), lambda node, args, kwargs: run_recorded(node, args, kwargs))
+        return made
 
     def span_runner(node, args, kwargs):
         return runner(node, args, kwargs, False)
