@@ -71,7 +71,8 @@ def _context_attrs(cls, leaves) -> dict | None:
         node = o.grad_fn if isinstance(o, torch.Tensor) else None
         if node is not None and function_class(node) is cls:
             try:
-                return {k: v for k, v in vars(node).items() if not _has_tensor(v)}
+                # (functorch's own bookkeeping of a vmap rule, ``_pt_*``, is the replay's)
+                return {k: v for k, v in vars(node).items() if not k.startswith("_pt_") and not _has_tensor(v)}
             except TypeError:  # pragma: no cover - defensive (a node without a __dict__)
                 return None
     return None
@@ -138,7 +139,8 @@ def invisible(cls, levels: dict | None) -> bool:
     transforms ``levels``) is its forward, run below every transform (see
     :func:`forward_below`): no forward-mode level, whose tangents ``no_grad`` does not stop,
     and no ``vmap`` level, which would apply the Function's own ``vmap`` rule."""
-    if torch.is_grad_enabled() or forward_mode_active() or getattr(cls, "setup_context", None) is torch.autograd.Function.setup_context:
+    if torch.is_grad_enabled() or forward_mode_active() or getattr(cls, "remat_fn_region", False) \
+            or getattr(cls, "setup_context", None) is torch.autograd.Function.setup_context:
         return False
     kinds = [*live_levels().values(), *(levels or {}).values()]
     return not any(is_vmap_kind(k) or is_jvp_kind(k) for k in kinds)

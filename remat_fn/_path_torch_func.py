@@ -125,6 +125,7 @@ def _is_diff(t: torch.Tensor) -> bool:
 
 class _RematFunction(torch.autograd.Function):
     generate_vmap_rule = True
+    remat_fn_region = True  # (a nested region under no_grad runs as a region: see remat_fn._function_steps.invisible)
 
     @staticmethod
     def forward(spec: RegionState, *tensors: torch.Tensor):
