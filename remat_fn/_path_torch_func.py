@@ -96,6 +96,7 @@ from ._functorch import (
     live_levels,
     needs_grad,
     storage_ptr,
+    transform_kinds,
     unwrap_all,
     unwrap_if_dead,
     version_alias,
@@ -317,8 +318,7 @@ class _RematFunction(torch.autograd.Function):
         detach = can_drop_graph(ctx.saved_tensors, grads)
         grads = tuple(unwrap_if_dead(g) if g is not None else None for g in grads)
         if spec.check and (spec.graph is not None or _replayable(spec)):  # (strict checks: debug, early_stop=False)
-            _rerun_vjp(spec, tensors, wrt, out_diff, detach, _cotangents(spec, grads, out_diff),
-                       time.perf_counter())  # (checked against the forward; its gradient unused)
+            _check(spec, tensors, wrt, out_diff, detach, _cotangents(spec, grads, out_diff))
         # (grad mode off: nothing records this backward; a forward-mode level would, see from_graph)
         if (detach or not torch.is_grad_enabled()) and spec.graph is not None and not forward_mode_active() \
                 and (not spec.batched or grad_on_top()):  # (batched saved tensors: see rebatch)
@@ -391,6 +391,24 @@ def _cotangents(spec: RegionState, grads, out_diff) -> tuple:
     """The differentiable outputs' cotangents (zeros for those nobody differentiates)."""
     return tuple(g if g is not None else torch.zeros(m[0], dtype=m[1], device=m[2])
                  for g, m, d in zip(grads, spec.out_meta, out_diff) if d)
+
+
+def _check(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot) -> None:
+    """The strict checks' run again (``debug=True``, ``early_stop=False``), checked against the
+    forward; its gradient unused.  A failure of torch's own inside that run (functorch asserts
+    under some nestings of side outputs) is named: the gradient does not depend on it."""
+    try:
+        _rerun_vjp(spec, tensors, wrt, out_diff, detach, cot, time.perf_counter())
+    except RematError:
+        raise
+    except Exception as e:
+        kinds = ", ".join(k.split(".")[-1].lower() for k in transform_kinds()) or "none"
+        raise RematError(
+            f"remat({spec.name}): the strict check (debug=True or early_stop=False) runs the function again in "
+            f"backward, and that run failed under the active transforms ({kinds}): "
+            f"{type(e).__name__}: {str(e)[:300]}. The gradient does not come from that run. Fix: check the function "
+            "under torch.func.grad, vjp or eager autograd, and pass debug=False (and no early_stop=False) here."
+        ) from e
 
 
 def _run_span(fun, name: str, opts, args: tuple):
