@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import inspect
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import optree
 import torch
 
-from ._functorch import forward_mode_active, is_jvp_kind, is_vmap_kind, live_levels, unwrap_all
+from ._functorch import forward_mode_active, is_jvp_kind, is_vmap_kind, is_wrapped, live_levels, unwrap_all
 from ._record import recording_tapes
 from ._tape import Value
-from ._torch_internals import DisableFuncTorch, any_autocast_enabled, function_class
+from ._torch_internals import any_autocast_enabled, below_transforms, function_class
 
 __all__ = ["FunctionStep", "function_steps", "apply_step", "plan_steps", "invisible", "forward_below"]
 
@@ -56,11 +55,60 @@ class FunctionStep:
 
 # arguments a Function's replay may take as they were (values that cannot change after the call)
 _CONSTANTS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
-              torch.memory_format, slice, type(Ellipsis))
+              torch.memory_format, torch.Size, slice, type(Ellipsis))
+
+
+class _Constant:
+    """An argument that is a container of constants (``[2.0]``, a shape), handed to the replay's
+    Function as one object: functorch's generated vmap rule matches a container argument's
+    entries against its one tangent (None) and fails (``flat_bdims must not be None``) when the
+    Function's ``jvp`` runs inside another Function's vmap rule, as in a replay under ``hessian``;
+    its ``setup_context`` and ``forward`` see the container."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
 
 
 def _has_tensor(x: Any) -> bool:
     return any(isinstance(leaf, torch.Tensor) for leaf in optree.tree_leaves(x, none_is_leaf=True))
+
+
+def _fresh(x):
+    """A copy of plain data's containers (their numbers and tensors shared)."""
+    t = type(x)
+    if t in (list, tuple, set, frozenset):
+        return t(_fresh(y) for y in x)
+    if t is dict:
+        return {k: _fresh(v) for k, v in x.items()}
+    return x
+
+
+def _opened(x):
+    return x.value if type(x) is _Constant else x
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+          torch.memory_format, torch.Size, slice, type(Ellipsis))
+
+
+def _plain_value(x: Any, depth: int = 0) -> bool:
+    """``x`` is plain data, put back from the forward as it was: numbers, strings, dtypes,
+    shapes, and tuples, lists, dicts and sets of them.  Anything else (an argument, an object
+    that may hold one, a closure) comes from the replay's own ``setup_context``; a plain
+    tensor that needs no gradient (no transform's wrapper: not an argument) is a constant."""
+    if isinstance(x, _PLAIN):
+        return True
+    if isinstance(x, torch.Tensor):  # (a constant setup_context made: torch.tensor(scale))
+        return not is_wrapped(x) and not x.requires_grad
+    if depth > 8:
+        return False
+    if type(x) in (tuple, list, set, frozenset):
+        return all(_plain_value(y, depth + 1) for y in x)
+    if type(x) is dict:
+        return all(_plain_value(k, depth + 1) and _plain_value(v, depth + 1) for k, v in x.items())
+    return False
 
 
 def _context_attrs(cls, leaves) -> dict | None:
@@ -72,7 +120,9 @@ def _context_attrs(cls, leaves) -> dict | None:
         if node is not None and function_class(node) is cls:
             try:
                 # (functorch's own bookkeeping of a vmap rule, ``_pt_*``, is the replay's)
-                return {k: v for k, v in vars(node).items() if not k.startswith("_pt_") and not _has_tensor(v)}
+                # (a mutable one is copied: each replay's context gets the forward's value, as each
+                # forward of plain code makes its own; one backward appending to it leaves the next alone)
+                return {k: _fresh(v) for k, v in vars(node).items() if not k.startswith("_pt_") and _plain_value(v)}
             except TypeError:  # pragma: no cover - defensive (a node without a __dict__)
                 return None
     return None
@@ -156,15 +206,17 @@ def forward_below(args, kwargs):
     are constants of every level."""
     cls, rest = args[0], optree.tree_map(lambda x: unwrap_all(x) if isinstance(x, torch.Tensor) else x, (args[1:], kwargs),
                                          none_is_leaf=True)
-    with DisableFuncTorch():
-        return cls.forward(*rest[0], **rest[1])
+    with below_transforms():
+        out = cls.forward(*rest[0], **rest[1])
+        # (an output that is an argument, returned as it came: an alias of it, a constant as well)
+        return optree.tree_map(lambda o: o.detach() if isinstance(o, torch.Tensor) else o, out, none_is_leaf=True)
 
 
 # The step being applied (per thread): its forward and its context's attributes, read by the
 # replaying subclass's forward and setup_context, which run inside apply (also under vmap's
 # generated rule and forward mode's jvp)
 _CURRENT = threading.local()
-_REPLAYING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # user class -> (subclass, forward's signature)
+_CACHE = "_remat_fn_replaying"  # on the user's class (it dies with it): (subclass, its forward's signature)
 
 
 def _current() -> list:
@@ -175,22 +227,23 @@ def _current() -> list:
 
 
 def _replaying(cls) -> tuple[type, inspect.Signature]:
-    got = _REPLAYING.get(cls)
+    got = cls.__dict__.get(_CACHE)
     if got is None:
 
         def forward(*args):
             return _current()[-1][0](args)
 
         def setup_context(ctx, inputs, output):
-            cls.setup_context(ctx, inputs, output)
+            cls.setup_context(ctx, tuple(_opened(x) for x in inputs), output)
             attrs = _current()[-1][1]
             for k, v in (attrs or {}).items():  # (as the forward left them)
-                setattr(ctx, k, v)
+                setattr(ctx, k, _fresh(v))
 
-        sub = type(cls.__name__, (cls,), {"forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
-                                          "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                          "remat_fn_replay_of": cls})
-        got = _REPLAYING[cls] = (sub, inspect.signature(cls.forward))
+        sub = type(cls)(f"{cls.__name__}_replay", (cls,), {
+            "forward": staticmethod(forward), "setup_context": staticmethod(setup_context), "__module__": cls.__module__,
+            "__qualname__": f"{cls.__qualname__}_replay", "remat_fn_replay_of": cls})
+        got = (sub, inspect.signature(cls.forward))
+        setattr(cls, _CACHE, got)
     return got
 
 
@@ -201,10 +254,10 @@ def apply_step(fn: FunctionStep, args, kwargs, forward: Callable[[dict], list]):
     sub, sig = _replaying(fn.cls)
     bound = sig.bind(*args, **kwargs)  # (as Function.apply binds them: positional, defaults filled)
     bound.apply_defaults()
+    pos = tuple(_Constant(x) if type(x) in (list, tuple, dict, torch.Size) and not _has_tensor(x) else x for x in bound.args)
     given = optree.tree_leaves((args, kwargs), none_is_leaf=True)
     value = {id(x): v for x, v in zip(given, fn.flat) if isinstance(x, torch.Tensor)}
-    where = [value.get(id(x)) if isinstance(x, torch.Tensor) else None
-             for x in optree.tree_leaves(bound.args, none_is_leaf=True)]
+    where = [value.get(id(x)) if isinstance(x, torch.Tensor) else None for x in optree.tree_leaves(pos, none_is_leaf=True)]
 
     def run(uargs):
         got = optree.tree_leaves(uargs, none_is_leaf=True)
@@ -216,6 +269,6 @@ def apply_step(fn: FunctionStep, args, kwargs, forward: Callable[[dict], list]):
     stack.append((run, fn.attrs))
     try:
         with torch.set_grad_enabled(fn.grad):
-            return sub.apply(*bound.args)
+            return sub.apply(*pos)
     finally:
         stack.pop()

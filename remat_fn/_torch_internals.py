@@ -57,7 +57,7 @@ __all__ = [
     "DisableTorchFunction", "DisableFuncTorch", "DisableTorchDispatch", "dispatch_stack_len", "function_mode_enabled", "TorchDispatchMode",
     "disable_current_modes", "mode_stack", "tree_leaves", "FakeTensorMode", "OpOverload", "OpOverloadPacket",
     "assert_async", "CachingTorchDispatchMode", "checkpoint_flag", "forward_ad_level", "version",
-    "is_view", "use_count", "schema", "saved_tensor_attrs",
+    "is_view", "use_count", "schema", "saved_tensor_attrs", "below_transforms",
 ]
 
 SUPPORTED_TORCH = ">=2.12,<2.16"
@@ -108,6 +108,8 @@ functorch_active = _attr(torch._C, "torch._C", "_are_functorch_transforms_active
 # calls this higher-order op (a torch function mode sees it), and the graph's node is of a
 # class generated per level, whose ``forward`` closes over the user's class
 custom_function_call = _from("torch._functorch.autograd_function", "custom_function_call")
+# every functorch level set aside (as ``Function.apply`` runs a forward at the base level)
+below_transforms = _from("torch._functorch.pyfunctorch", "temporarily_clear_interpreter_stack")
 
 # modes
 DisableTorchFunction = _attr(torch._C, "torch._C", "DisableTorchFunction")
@@ -181,11 +183,11 @@ def function_class(node: Any) -> Any:
     under functorch]); None for any other node."""
     cls = getattr(node, "_forward_cls", None)
     if cls is None or issubclass(cls, torch.autograd.Function):
-        return cls
+        return cls and cls.__dict__.get("remat_fn_replay_of", cls)  # (a replay's subclass: the user's class)
     for cell in getattr(cls.forward, "__closure__", None) or ():  # (a _SingleLevelFunction)
         c = cell.cell_contents
         if isinstance(c, type) and issubclass(c, torch.autograd.Function):
-            return c
+            return c.__dict__.get("remat_fn_replay_of", c)
     return cls
 
 

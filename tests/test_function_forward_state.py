@@ -10,9 +10,11 @@ nor as torch documents ``no_grad``)."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
-from torch.func import grad
+from torch.func import grad, jvp
 
 from remat_fn import remat
 
@@ -127,16 +129,94 @@ class _SavesUnreadOutput(torch.autograd.Function):
         return t * c * 2.0, -t * s
 
 
+class _HeldInObject(torch.autograd.Function):
+    """Keeps its input inside a plain object on the context: the object comes from the
+    replay's setup_context (the forward's holds a tensor of a level that has exited)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a):
+        return a * a
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.held = types.SimpleNamespace(a=inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * ctx.held.a * g
+
+    @staticmethod
+    def jvp(ctx, t):
+        return 2 * ctx.held.a * t
+
+
+class _CountsBackwards(torch.autograd.Function):
+    """Its setup_context makes a list per context, which its backward appends to: each
+    replay's context gets a list of its own, as each of plain code's does."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a):
+        return a * a
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.calls = []
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.calls.append(1)
+        return g * ctx.saved_tensors[0] * (1.0 + len(ctx.calls))
+
+
+class _ScaleBy(torch.autograd.Function):
+    """Takes a list and a shape, constants in containers (functorch's vmap rule under hessian
+    matched their entries against one tangent: ``flat_bdims must not be None``)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a, cfg, shape):
+        return (a * a * cfg[0]).reshape(shape)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+        ctx.s, ctx.n = inputs[1][0], inputs[0].shape
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * ctx.s * ctx.saved_tensors[0] * g.reshape(ctx.n), None, None
+
+    @staticmethod
+    def jvp(ctx, t, _c, _s):
+        return (2 * ctx.s * ctx.saved_tensors[0] * t).reshape(-1, 1)
+
+
 _BODIES = {
     "tensor_attribute": lambda h: _SavesTensorAttr.apply(h, h.exp()) * h,
     "unread_output_saved": lambda h: _SavesUnreadOutput.apply(h)[0] * h,
+    "tensor_in_an_object": lambda h: _HeldInObject.apply(h) * h,
+    "list_per_context": lambda h: _CountsBackwards.apply(h) * h,
+    "container_arguments": lambda h: _ScaleBy.apply(h, [2.0], torch.Size([3, 1])).reshape(3) * h,
 }
 
 
 @pytest.mark.parametrize("body", list(_BODIES))
-@pytest.mark.parametrize("transform", ["eager", "grad", "jvp", "hessian", "grad_of_grad", "vmap_grad"])
+@pytest.mark.parametrize("transform", ["eager", "grad", "jvp", "hessian", "grad_of_grad", "vmap_grad", "jvp_of_grad"])
 def test_function_context_and_outputs_in_the_replay(body, transform):
-    run = two_argument_transforms(_X, _W)[transform]
+    if body == "list_per_context" and transform in ("jvp", "hessian", "jvp_of_grad"):
+        pytest.skip("no jvp rule")
+    if transform == "jvp_of_grad":
+        def run(f):
+            return jvp(grad(lambda x: f(x, _W)), (_X,), (_X.cos(),))
+    else:
+        run = two_argument_transforms(_X, _W)[transform]
     for nested in (False, True):
         p = _program(_BODIES[body], nested)
         assert_tree_close(run(lambda x, w: p(x, w, remat)), run(lambda x, w: p(x, w, ident)), rtol=1e-10, atol=1e-10)
@@ -214,6 +294,43 @@ def test_function_under_no_grad_is_invisible_to_every_grad_level(transform, fall
         assert_tree_close(got, detached, rtol=1e-10, atol=1e-10)
     if transform != "grad_of_grad":  # (one grad level, or forward mode: plain torch agrees)
         assert_tree_close(got, run(lambda x, w: _under_no_grad(_SqOdd.apply, fallback)(x, w, ident)), rtol=1e-10, atol=1e-10)
+
+
+class _Nests(torch.autograd.Function):
+    """Its forward applies another Function (which runs below every transform too)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return _SqOdd.apply(x) + 1.0
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return 5 * g
+
+
+@pytest.mark.parametrize("apply", [_Ident.apply, _Nests.apply], ids=["returns_its_input", "applies_a_function"])
+@pytest.mark.parametrize("transform", ["eager", "grad", "vjp", "grad_of_grad"])
+def test_function_under_no_grad_returning_its_input_or_nesting_one(apply, transform):
+    # returned as it came, the output is still a constant (an alias of the argument, detached)
+    def program(x, w, wrap, detach=False):
+        def body(x, w):
+            h = torch.sin(x * w)
+            with torch.no_grad():
+                c = apply(h)
+            return (c.detach() if detach else c) * h
+        return (wrap(lambda x, w: wrap(body)(x, w))(x, w) * x.cos()).pow(2).sum()
+
+    run = two_argument_transforms(_X, _W)[transform]
+    detached = run(lambda x, w: program(x, w, ident, detach=True))
+    assert_tree_close(run(lambda x, w: program(x, w, remat)), detached, rtol=1e-10, atol=1e-10)
+    if transform != "grad_of_grad":
+        assert_tree_close(run(lambda x, w: program(x, w, ident)), detached, rtol=1e-10, atol=1e-10)
 
 
 def test_function_under_no_grad_matches_ops_under_no_grad_at_grad_of_grad():
