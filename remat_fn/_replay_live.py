@@ -26,9 +26,10 @@ cannot be exact raises :class:`CannotReplay` and the function runs again instead
 depends on them, and a custom ``autograd.Function`` that cannot run as one step.
 
 A custom ``autograd.Function`` the region applied is one step (``FunctionStep``, noted
-by the region's torch function mode): the replay applies the Function to the replayed
-arguments, so each transform differentiates it by its own rules (its ``backward``, not
-its forward's ops, is what autograd differentiates).
+by the region's torch function mode): the replay applies it to the replayed arguments,
+its forward the span's recorded ops and its context as the forward left it, so each
+transform differentiates it by its own rules (its ``backward``, not its forward's ops,
+is what autograd differentiates; see :mod:`remat_fn._function_steps`).
 """
 
 from __future__ import annotations
@@ -336,9 +337,8 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None, region=No
                 t = env2[id(v)] = _plain(get(v))
             return t
 
-        made = tape.run_nodes(ks, [(v, fn.end) for v in fn.outs if v is not None], get2, env2,
-                              any(nodes[k].writes for k in ks), lambda node, args, kwargs: run_recorded(node, args, kwargs))
-        return made
+        return tape.run_nodes(ks, [(v, fn.end) for v in fn.outs if v is not None], get2, env2,
+                              any(nodes[k].writes for k in ks), run_recorded)
 
     def span_runner(node, args, kwargs):
         return runner(node, args, kwargs, False)
