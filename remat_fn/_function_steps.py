@@ -4,7 +4,7 @@ Under a transform ``Function.apply`` goes through ``custom_function_call``, whic
 region's torch function mode sees (:class:`remat_fn._captures.CaptureMode`).  Each call
 becomes one :class:`FunctionStep` of every recording tape: its span of the tape's nodes,
 the Values of its arguments and outputs, and what its ``setup_context`` left on the
-context object that is not a tensor (``ctx.scale = 2.0``).
+context object that is plain data (``ctx.scale = 2.0``).
 
 The replay through the transforms (:mod:`remat_fn._replay_live`) applies, for each step,
 a subclass of the user's Function (:func:`apply_step`) whose ``forward`` runs the span's
@@ -39,8 +39,8 @@ class FunctionStep:
     through the transforms: its nodes are the tape's ``[start, end)``; ``flat``/``spec``:
     its arguments (Values for tensors); ``outs``: the Value of each output (None: not a
     tensor, ``consts`` holds it); ``single``: the forward returned one object, not a
-    tuple; ``attrs``: what its context held that is not a tensor (None: no context was
-    found, ``setup_context`` alone fills it); ``grad``: the grad mode it was applied under."""
+    tuple; ``attrs``: what its context held that is plain data (None: no context was found,
+    ``setup_context`` alone fills it); ``grad``: the grad mode it was applied under."""
 
     __slots__ = ("cls", "flat", "spec", "kw", "outs", "writes", "grad", "start", "end", "single", "consts", "attrs")
 
@@ -89,16 +89,12 @@ def _opened(x):
     return x.value if type(x) is _Constant else x
 
 
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
-          torch.memory_format, torch.Size, slice, type(Ellipsis))
-
-
 def _plain_value(x: Any, depth: int = 0) -> bool:
     """``x`` is plain data, put back from the forward as it was: numbers, strings, dtypes,
     shapes, and tuples, lists, dicts and sets of them.  Anything else (an argument, an object
     that may hold one, a closure) comes from the replay's own ``setup_context``; a plain
     tensor that needs no gradient (no transform's wrapper: not an argument) is a constant."""
-    if isinstance(x, _PLAIN):
+    if isinstance(x, _CONSTANTS):
         return True
     if isinstance(x, torch.Tensor):  # (a constant setup_context made: torch.tensor(scale))
         return not is_wrapped(x) and not x.requires_grad
@@ -113,8 +109,8 @@ def _plain_value(x: Any, depth: int = 0) -> bool:
 
 def _context_attrs(cls, leaves) -> dict | None:
     """What ``setup_context`` left on the context of the call that made ``leaves`` (its graph
-    node, reached through an output), leaving out every attribute holding a tensor (those
-    come from the replay's own ``setup_context``); None where no output has that node."""
+    node, reached through an output) that is plain data (:func:`_plain_value`; the rest comes
+    from the replay's own ``setup_context``); None where no output has that node."""
     for o in leaves:
         node = o.grad_fn if isinstance(o, torch.Tensor) else None
         if node is not None and function_class(node) is cls:

@@ -143,25 +143,23 @@ class STE(torch.autograd.Function):
         return t
 
 
-class Square(torch.autograd.Function):
+def square_function(name: str, k: float = 2.0):
     """``x * x`` as a custom ``autograd.Function`` (with a forward-mode rule and torch's generated
-    vmap rule): inside a region, a replay through the transforms applies it again, as one step
-    (its backward, not its forward's ops, is what autograd differentiates)."""
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return x * x
-
-    @staticmethod
+    vmap rule) whose backward and jvp say ``k * x`` (2: its derivative; another ``k`` shows which
+    rule ran)."""
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(inputs[0])
         ctx.save_for_forward(inputs[0])
 
-    @staticmethod
-    def backward(ctx, g):
-        return 2 * ctx.saved_tensors[0] * g
+    return type(name, (torch.autograd.Function,), {
+        "generate_vmap_rule": True,
+        "forward": staticmethod(lambda x: x * x),
+        "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(lambda ctx, g: k * ctx.saved_tensors[0] * g),
+        "jvp": staticmethod(lambda ctx, t: k * ctx.saved_tensors[0] * t),
+    })
 
-    @staticmethod
-    def jvp(ctx, t):
-        return 2 * ctx.saved_tensors[0] * t
+
+# inside a region, a replay through the transforms applies it as one step (its backward, not its
+# forward's ops, is what autograd differentiates)
+Square = square_function("Square")

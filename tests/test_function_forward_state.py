@@ -18,7 +18,7 @@ from torch.func import grad, jvp
 
 from remat_fn import remat
 
-from ._util import assert_tree_close, ident, two_argument_transforms
+from ._util import assert_tree_close, ident, square_function, two_argument_transforms
 
 D = torch.float64
 _G = torch.Generator().manual_seed(11)
@@ -222,27 +222,8 @@ def test_function_context_and_outputs_in_the_replay(body, transform):
         assert_tree_close(run(lambda x, w: p(x, w, remat)), run(lambda x, w: p(x, w, ident)), rtol=1e-10, atol=1e-10)
 
 
-class _SqOdd(torch.autograd.Function):
-    """``x * x`` whose rules say ``3x`` (shows which rule ran)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return x * x
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
-        ctx.save_for_forward(inputs[0])
-
-    @staticmethod
-    def backward(ctx, g):
-        return 3 * ctx.saved_tensors[0] * g
-
-    @staticmethod
-    def jvp(ctx, t):
-        return 3 * ctx.saved_tensors[0] * t
+# ``x * x`` whose rules say ``3x`` (shows which rule ran)
+_SqOdd = square_function("_SqOdd", 3.0)
 
 
 class _Ident(torch.autograd.Function):
