@@ -365,7 +365,7 @@ class RegionState:
                  "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
                  "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "batched", "replay", "widen",
-                 "side_objs", "nested_side", "late_objs", "relocate", "check")
+                 "side_objs", "nested_side", "late_objs", "relocate", "check", "fwd", "fwd_diff")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -386,6 +386,10 @@ class RegionState:
         self.check = False  # strict checks (debug, early_stop=False): backward runs the function again to check it
         self.n_out = 0
         self.diff: list[bool] = []  # which outputs are differentiable (as in plain code)
+        # forward mode is on at the call, and which outputs it differentiates (diff, and those
+        # the inputs reach under no_grad: a tangent is not stopped by it); empty: diff
+        self.fwd = False
+        self.fwd_diff: list[bool] = []
         self.keep_graph = False  # the forward's vjp level keeps what autograd saves (see keep_nothing)
         self.unsure: list = []  # weak refs to side-output candidates autograd also held
         self.captured = captured

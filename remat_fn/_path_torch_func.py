@@ -107,7 +107,7 @@ from ._path_hooks import Frame, finish_tape
 from ._profile import storage_bytes
 from ._record import Diverged, Record, recording_tapes, saving
 from ._region import RegionCall, region_depth
-from ._replay_live import CannotReplay, output_value, replay_fn
+from ._replay_live import CannotReplay, forward_reached, output_value, replay_fn
 from ._rng_state import RNGSnapshot
 from ._tape import Tape, Value
 from ._torch_internals import top_hooks, use_count
@@ -165,7 +165,8 @@ class _RematFunction(torch.autograd.Function):
 
             def f(*diff):
                 known.update(diff)
-                with _NULL if keep else keep_nothing(spec.name, note, hooks):
+                # (grad mode as at the call: off where only forward mode differentiates, see spec.fwd)
+                with _NULL if keep else keep_nothing(spec.name, note, hooks), torch.set_grad_enabled(spec.grad_mode):
                     o, rb = spec.call(replace_at(tensors, wrt, diff), known)
                 # side outputs: candidates now (a tensor the graph saved is alive
                 # too), confirmed once the level's graph is gone (below)
@@ -181,6 +182,9 @@ class _RematFunction(torch.autograd.Function):
                     else:  # (checked now: these nodes would hold the level's graph)
                         spec.foreign = spec.foreign or foreign_functions(roots, _RematFunction, tape.functions)
                 mask = [_is_diff(t) and carries_grad(t) for t in o]
+                if spec.fwd:  # (forward mode around the call: an output made under no_grad has a tangent)
+                    reach = forward_reached(tape, o, {id(unwrap_all(t)) for t in tensors})
+                    spec.fwd_diff = [m or (_is_diff(t) and r) for m, t, r in zip(mask, o, reach)]
                 box.append((rb, mask, saved_storages(o) if keep and measure else noted,
                             pos, refs))
                 # vjp wants one output at least: a constant stands in (never read).  A kept
@@ -239,6 +243,8 @@ class _RematFunction(torch.autograd.Function):
             if spec.out_values is not None:
                 spec.out_values = spec.out_values[:n] + [spec.out_values[n + k] for k in side]
             mask = mask[:n] + [mask[n + k] for k in side]
+            if spec.fwd_diff:
+                spec.fwd_diff = spec.fwd_diff[:n] + [spec.fwd_diff[n + k] for k in side]
             spec.plain_bytes = sum(saved.values())
             rec = spec.rec
             if keep:
@@ -297,17 +303,22 @@ class _RematFunction(torch.autograd.Function):
         # its arguments are checked there as any tensor, remat holding no Python reference to them)
         note_region_inputs(inputs[1 + spec.n_in:], spec)
         ctx.save_for_forward(*inputs[1:])
-        nd = [o for o, d in zip(output, spec.diff) if not d]
+        fwd_diff = spec.fwd_diff or spec.diff  # (forward mode differentiates what no_grad made too)
+        nd = [o for o, d in zip(output, fwd_diff) if not d]
         if nd:
             ctx.mark_non_differentiable(*nd)
         ctx.out_diff = spec.diff
+        ctx.fwd_diff = fwd_diff
         # Outputs nobody differentiates arrive as None: see backward.
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, *grads):
         spec: RegionState = ctx.spec
-        if all(g is None for g in grads):  # no gradient flows in: nothing to recompute
+        if not spec.grad_mode or not any(g is not None and d for g, d in zip(grads, ctx.out_diff)):
+            # no gradient flows in (an output only forward mode differentiates, see fwd_diff, takes none);
+            # called under no_grad, the region is a constant of every grad level, as its ops would be
+            # (functorch's custom_function_call re-enables grad below the innermost level)
             return (None,) * len(ctx.needs_input_grad)
         tensors = saved_inputs(ctx, spec)
         wrt = [i for i, t in enumerate(tensors) if ctx.needs_input_grad[i + 1] and _is_diff(t)]
@@ -349,7 +360,7 @@ class _RematFunction(torch.autograd.Function):
         spec: RegionState = ctx.spec
         tensors = saved_inputs(ctx, spec)
         wrt = [i for i, (t, tt) in enumerate(zip(tensors, tangents)) if tt is not None and _is_diff(t)]
-        out_diff = ctx.out_diff
+        out_diff = ctx.fwd_diff
         if not any(out_diff):  # no output depends on the inputs differentiably
             return (None,) * len(out_diff)
 
@@ -511,7 +522,9 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             frame = spec.frame = Frame(None, None, None, name, False)
             frame.rec, frame.deferred = spec.rec, True
             spec.frame.tape = spec.tape = Tape(func_path=spec.batched, copies=True)  # (batched: see draws_in_vmap below)
-        spec.needs = [grad_mode and needs_grad(t) and _is_diff(t) for t in (*inputs, *closed)]
+        # (under no_grad forward mode still differentiates: its tangents are not stopped by it)
+        spec.fwd = forward_mode_active()
+        spec.needs = [(grad_mode or spec.fwd) and needs_grad(t) and _is_diff(t) for t in (*inputs, *closed)]
         if spec.vmapped and any(spec.needs):
             spec.widen = differentiated_outside_vmaps(levels, any(unwrap_all(t).requires_grad for t in (*inputs, *closed)))
         spec.prof = prof

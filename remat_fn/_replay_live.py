@@ -41,12 +41,12 @@ import torch
 from ._func_semantics import replace_at
 from ._function_steps import FunctionStep, apply_step, plan_steps
 from ._functorch import unwrap_all
-from ._ops import ALIASING, arg_meta, no_autocast, reenter, run_recorded
+from ._ops import ALIASING, DETACH, arg_meta, no_autocast, reenter, run_recorded
 from ._tape import Value
 from ._torch_internals import DisableFuncTorch, TorchDispatchMode
 from ._unseen import unseen_alias
 
-__all__ = ["CannotReplay", "replay_outputs", "replay_fn", "output_value", "INDEPENDENT"]
+__all__ = ["CannotReplay", "replay_outputs", "replay_fn", "output_value", "forward_reached", "INDEPENDENT"]
 
 _NULL = contextlib.nullcontext()
 
@@ -138,6 +138,26 @@ def output_value(tape, t: torch.Tensor):
             return v
     a = unseen_alias(tape, b) if tape.reg is not None else None
     return b if a is None else a
+
+
+def forward_reached(tape, outs, bases: set) -> list[bool]:
+    """Which of ``outs`` (the region's outputs, while the tape records) the tape computes
+    from the tensors ``bases`` (ids of the plain tensors below the Function's inputs)
+    through ops other than ``detach``: what forward mode differentiates, whatever the grad
+    mode (a tangent is not stopped by ``no_grad``)."""
+    live: set[int] = set()
+    for n in tape.nodes:
+        if n is None or n.func is DETACH or n.func in INDEPENDENT:
+            continue
+        if any(id(r) in live or (r.node < 0 and r.t is not None and id(r.t) in bases) for r in n.reads):
+            live.update(id(v) for v in n.outs if v is not None)
+            live.update(id(w) for _, w in n.writes)
+    out = []
+    for t in outs:
+        b = unwrap_all(t) if isinstance(t, torch.Tensor) else None
+        vs = (tape.value_of(b), tape.write_before(b)) if b is not None else ()
+        out.append(any(v is not None and id(v) in live for v in vs))
+    return out
 
 
 class _Kept(TorchDispatchMode):

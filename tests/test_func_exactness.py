@@ -16,7 +16,7 @@ import remat_fn.compat
 from remat_fn import RematError, remat
 from remat_fn.policies import dots_saveable, everything_saveable, nothing_saveable
 
-from ._util import assert_tree_close
+from ._util import assert_tree_close, ident
 
 torch.manual_seed(0)
 X = torch.randn(4, 3, dtype=torch.float64)
@@ -454,3 +454,102 @@ def test_side_channel_holding_a_nested_regions_output(policy):
         return wrap(f)(x) + side[0].pow(2).sum()
 
     torch.testing.assert_close(grad(loss)(X, lambda f: remat(f, policy=policy)), grad(loss)(X, lambda f: f))
+
+
+class _SqWithRules(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a):
+        return a * a
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * ctx.saved_tensors[0] * g
+
+    @staticmethod
+    def jvp(ctx, t):
+        return 2 * ctx.saved_tensors[0] * t
+
+
+def _output_made_under_no_grad(kind):
+    def body(x, w):
+        h = torch.sin(x) @ w
+        with torch.no_grad():
+            a = _SqWithRules.apply(h) if kind == "function" else h * h
+            if kind == "detached":
+                a = a.detach() + h.detach()
+        return a + h.cos(), a
+
+    def loss(x, w, wrap):
+        o = wrap(body)(x, w)
+        return o[0].sum() + o[1].pow(2).sum()
+    return loss
+
+
+_FORWARD_OVER = {
+    "jvp": lambda f: jvp(f, (X, W), (X.cos(), W.sin())),
+    "jacfwd": lambda f: jacfwd(f, argnums=(0, 1))(X, W),
+    "hessian": lambda f: torch.func.hessian(f, argnums=(0, 1))(X, W),
+    "jvp_of_grad": lambda f: jvp(lambda y: grad(f)(y, W), (X,), (X.sin(),)),
+    "grad_of_jvp": lambda f: grad(lambda y: jvp(lambda a: f(a, W), (y,), (y.cos(),))[1])(X),
+    "grad": lambda f: grad(f, argnums=(0, 1))(X, W),
+    "vmap_grad": lambda f: vmap(grad(f), in_dims=(0, None))(torch.stack([X, 2 * X]), W),
+}
+
+
+@pytest.mark.parametrize("kind", ["ops", "function", "detached"])
+@pytest.mark.parametrize("transform", sorted(_FORWARD_OVER))
+def test_region_output_made_under_no_grad_gets_its_tangent(kind, transform):
+    # Forward mode is not stopped by no_grad (detach stops it): an output the region makes
+    # from its inputs under no_grad has a tangent under jvp, as in plain code.  A grad level
+    # does not see it.  (A Function under no_grad at grad of jvp: what the same ops give,
+    # see test_function_under_no_grad_matches_ops_under_no_grad_at_grad_of_grad.)
+    run = _FORWARD_OVER[transform]
+    got = run(lambda x, w: _output_made_under_no_grad(kind)(x, w, remat))
+    plain_kind = "ops" if kind == "function" and transform == "grad_of_jvp" else kind
+    want = run(lambda x, w: _output_made_under_no_grad(plain_kind)(x, w, ident))
+    assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian", "jvp_of_grad", "grad_of_jvp"])
+def test_region_whose_only_output_is_made_under_no_grad_under_forward_mode(transform):
+    def loss(x, w, wrap):
+        def body(x, w):
+            with torch.no_grad():
+                return (x @ w).sin()
+        return wrap(body)(x, w).pow(2).sum() + x.sum()
+
+    run = _FORWARD_OVER[transform]
+    assert_tree_close(run(lambda x, w: loss(x, w, remat)), run(lambda x, w: loss(x, w, ident)), rtol=1e-10, atol=1e-10)
+
+
+def _region_called_under_no_grad(kind):
+    def body(x, w):
+        h = torch.sin(x @ w)
+        return _SqWithRules.apply(h) if kind == "function" else h * h
+
+    def loss(x, w, wrap):
+        with torch.no_grad():
+            c = wrap(body)(x, w)
+        return (c * x.cos() @ w).pow(2).sum()
+    return loss
+
+
+@pytest.mark.parametrize("kind", ["ops", "function"])
+@pytest.mark.parametrize("transform", sorted(_FORWARD_OVER) + ["grad_of_grad"])
+def test_region_called_under_no_grad(kind, transform):
+    # A region called under no_grad is a constant of every grad level, as its ops are (functorch
+    # re-enables grad below the innermost level for a custom Function, remat's own included: its
+    # backward gives nothing), and forward mode pushes tangents through it (its recorded forward, not
+    # a run again: a Function in it was once refused as a mismatch of the forward's ops).
+    run = {**_FORWARD_OVER, "grad_of_grad": lambda f: grad(lambda y: grad(f)(y, W).pow(2).sum())(X)}[transform]
+    got = run(lambda x, w: _region_called_under_no_grad(kind)(x, w, remat))
+    plain_kind = "ops" if transform in ("grad_of_grad", "grad_of_jvp") else kind
+    want = run(lambda x, w: _region_called_under_no_grad(plain_kind)(x, w, ident))
+    assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
