@@ -25,6 +25,7 @@ function and its caller what plain code would:
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import types
 from collections.abc import Iterator
@@ -39,7 +40,7 @@ from ._debug import CallTrace
 from ._describe import describe, describe_meta
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_outside
 from ._function_steps import plan_steps
-from ._functorch import draws_batched, needs_grad, requires_grad_anywhere, storage_ptr, unwrap_if_dead
+from ._functorch import carries_grad, draws_batched, needs_grad, requires_grad_anywhere, storage_ptr, unwrap_if_dead
 from ._offload import FuncInputs
 from ._ops import PrivateWrites, private_copies
 from ._rng_state import RNGSnapshot
@@ -54,7 +55,7 @@ from ._torch_internals import top_hooks as _top_hooks
 from ._torch_internals import version as version_of
 
 __all__ = ["RegionState", "ForwardHook", "NeedsGraph", "keep_nothing", "hooks_aside", "random_in_vmap", "draws_in_vmap",
-           "connect_side_outputs", "check_unsure",
+           "connect_side_outputs", "check_unsure", "stale_side_outputs",
            "check_lazy_outputs", "distinct_inputs", "out_meta", "saved_inputs", "checked_outputs",
            "replace_at", "undo_forward", "plan_rerun", "deep_enough", "primal_under_vjp"]
 
@@ -194,6 +195,21 @@ def connect_side_outputs(spec, side) -> None:
             swap_side_output(t, o)
         except RuntimeError as e:
             raise side_output_error(spec, t, str(e)) from None
+
+
+def stale_side_outputs(spec, refs) -> None:
+    """Refuse a tensor that a try of the forward which stopped (the function called a
+    ``torch.func`` transform, or read a tensor nobody threaded: it runs again) made and
+    that is still held, by Python alone: it left the region by a side channel, and holds
+    that try's value, which no gradient reaches (plain code made it once)."""
+    alive = [t for r in refs if (t := r()) is not None]
+    if alive:
+        del alive
+        gc.collect()  # (a cycle the stopped try left)
+        alive = [t for r in refs if (t := r()) is not None]
+    if alive:
+        raise side_output_error(spec, alive[0], "the forward ran again: the function calls a torch.func transform or "
+                                "reads a tensor it was not given, and the tensor is from the try that stopped")
 
 
 def check_unsure(spec) -> None:
@@ -365,7 +381,7 @@ class RegionState:
                  "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
                  "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "batched", "replay", "widen",
-                 "side_objs", "nested_side", "late_objs", "relocate", "check", "fwd", "fwd_diff")
+                 "side_objs", "nested_side", "late_objs", "relocate", "check", "fwd", "fwd_diff", "aborted")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -390,6 +406,7 @@ class RegionState:
         # the inputs reach under no_grad: a tangent is not stopped by it); empty: diff
         self.fwd = False
         self.fwd_diff: list[bool] = []
+        self.aborted: list = []  # weak refs to what a forward that stopped (a try, see MissedCapture) made
         self.keep_graph = False  # the forward's vjp level keeps what autograd saves (see keep_nothing)
         self.unsure: list = []  # weak refs to side-output candidates autograd also held
         self.captured = captured
@@ -477,7 +494,12 @@ class RegionState:
                            grab=self.escapes if recompute else None, late=late, first=first)
         mode.levels = self.levels
         with mode:
-            outs, rebuild = self.run(args)
+            try:
+                outs, rebuild = self.run(args)
+            except BaseException:
+                if not recompute and mode.made:  # (a try that stops: see stale_side_outputs)
+                    self.aborted = [r for _, _, r in mode.made if (t := r()) is not None and carries_grad(t)]
+                raise
             # A captured tensor returned as is never went through an op.
             outs = tuple(mode._fix(o) for o in outs)
         if not recompute:

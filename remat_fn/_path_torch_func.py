@@ -83,6 +83,7 @@ from ._func_semantics import (
     random_in_vmap,
     replace_at,
     saved_inputs,
+    stale_side_outputs,
     undo_forward,
 )
 from ._function_steps import FunctionStep, plan_steps
@@ -489,6 +490,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     nested = top is not None and isinstance(top[0], ForwardHook)
     levels = live_levels()  # (set aside inside the Function's forward: see needs_grad)
     relocate = False
+    stale: list = []  # (what the tries that stopped made, see stale_side_outputs)
     for attempt in range(_MAX_RETRIES + 1):
         if attempt == _MAX_RETRIES:
             raise RematError(
@@ -539,11 +541,16 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
                 t.spans.append((k, len(t.nodes), call.opts, name))
         except NeedsGraph:
             undo_forward(spec, snap)
+            stale += spec.aborted
             keep_graph = True
-            call.note_torch_func()  # (its later calls keep the graph from the start)
+            # (its later calls keep the graph from the start; tensors torch.func's autograd makes are
+            # recorded from this try on: no third try to find them)
+            produced = set() if produced is None else produced
+            call.note_torch_func()
             continue
         except MissedCapture as e:
             undo_forward(spec, snap)
+            stale += spec.aborted
             if e.bypassed:
                 if relocate:  # pragma: no cover - defensive (the places held the replacements)
                     raise RematError(
@@ -568,6 +575,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             produced = set()
             continue
         break
+    if stale:
+        stale_side_outputs(spec, stale)
     spec.rng = snap if snap is not None and snap.finish() else None
     off = spec.offload
     # (the recomputation reads private copies of the buffers the forward wrote)
