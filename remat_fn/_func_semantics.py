@@ -40,7 +40,7 @@ from ._debug import CallTrace
 from ._describe import describe, describe_meta
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_outside
 from ._function_steps import plan_steps
-from ._functorch import carries_grad, draws_batched, needs_grad, requires_grad_anywhere, storage_ptr, unwrap_if_dead
+from ._functorch import carries_grad, draws_batched, is_wrapped, needs_grad, requires_grad_anywhere, storage_ptr, unwrap_all, unwrap_if_dead
 from ._offload import FuncInputs
 from ._ops import PrivateWrites, private_copies
 from ._rng_state import RNGSnapshot
@@ -475,7 +475,13 @@ class RegionState:
             with self.reach.relocated({**subst, **places} if self.relocate else places), \
                     PrivateWrites(self.written, copies) if self.written else _NULL:
                 return self._call(tensors, known, subst)
-        with self.reach.relocated(subst) if self.relocate else _NULL:
+        if not self.relocate:
+            return self._call(tensors, known, subst)
+        # (the function calls torch.func itself: a transform it enters wraps what it is handed, and a
+        # tensor of a level set aside in this forward (a constant made under the caller's transforms)
+        # must reach it as this forward's ops see it, unwrapped: functorch asserts on it otherwise)
+        consts = {i: unwrap_all(t) for i, t in self.reach.tensors.items() if i not in subst and is_wrapped(t)}
+        with self.reach.relocated({**consts, **subst}):
             return self._call(tensors, known, subst)
 
     def _call(self, tensors, known, subst):

@@ -184,7 +184,7 @@ def _func_of_closed_over(x, w, wrap, how):
     return wrap(region)(x).pow(2).sum()
 
 
-@pytest.mark.parametrize("transform", ["eager", "grad", "vjp", "jvp", "vmap_grad"])
+@pytest.mark.parametrize("transform", ["eager", "grad", "vjp", "jvp", "vmap_grad", "jacfwd", "hessian", "grad_of_grad"])
 @pytest.mark.parametrize("how", ["grad", "vjp", "grad_reads_it_too", "jvp"])
 def test_torch_func_inside_a_region_given_a_tensor_it_closes_over(how, transform):
     """``torch.func.grad(g)(w)`` with ``w`` closed over: the transform wraps ``w`` itself, where
@@ -195,6 +195,21 @@ def test_torch_func_inside_a_region_given_a_tensor_it_closes_over(how, transform
     want = run(lambda x, w: _func_of_closed_over(x, w, ident, how))
     got = run(lambda x, w: _func_of_closed_over(x, w, remat, how))
     _close(got, want)
+
+
+@pytest.mark.parametrize("how", ["grad", "vjp", "jvp"])
+@pytest.mark.parametrize("outer", ["grad_of_grad", "hessian", "grad"])
+def test_torch_func_inside_a_region_given_a_constant_made_under_the_transforms(how, outer):
+    """A constant made inside the caller's transforms (``w0 * 1``: a wrapper of their levels, which
+    the region's forward sets aside) that the region hands to a ``torch.func`` transform it calls:
+    functorch's internal assert (``wrapped->level() < level``) under ``grad`` of ``grad`` and
+    ``hessian`` until this; it reaches the transform unwrapped, as the forward's ops see it."""
+    def loss(x, wrap):
+        return _func_of_closed_over(x, _W * 1.0, wrap, how)
+
+    run = {"grad": lambda f: grad(f)(_X), "hessian": lambda f: torch.func.hessian(f)(_X),
+           "grad_of_grad": lambda f: grad(lambda y: grad(f)(y).pow(2).sum())(_X)}[outer]
+    _close(run(lambda x: loss(x, remat)), run(lambda x: loss(x, ident)))
 
 
 @pytest.mark.parametrize("uses_h", [False, True], ids=["transform_of_a_constant", "transform_closing_over_h"])
