@@ -36,6 +36,8 @@ their cotangents arrive per example.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ._func_graph import alias_output
@@ -181,17 +183,25 @@ def returned(outs, tensors) -> tuple:
     return tuple(one(o) for o in outs)
 
 
-def rebuild(outs: list, views: dict[int, tuple], inputs, diff, n: int) -> None:
+def rebuild(outs: list, views: dict[int, tuple], inputs, diff, n: int, fwd_diff=()) -> None:
     """Make the outputs ``views`` names (among the first ``n``) again as views of the
-    caller's input or of another (final) output, in place in ``outs``."""
+    caller's input or of another (final) output, in place in ``outs``.  ``fwd_diff``: the
+    outputs forward mode differentiates (a view made under no_grad keeps its tangent)."""
     for i, (kind, j, size, stride, offset) in views.items():
         if i >= n or (kind == "out" and (j >= n or j in views)):
+            continue
+        if kind == "in" and not diff[i] and fwd_diff and fwd_diff[i]:
+            with torch.no_grad():  # (no gradient, as plain code's view made under no_grad; its tangent)
+                outs[i] = inputs[j].as_strided(size, stride, offset)
             continue
         if kind == "in":
             base = inputs[j] if diff[i] else inputs[j].detach()
         else:
             base = outs[j]
-        outs[i] = base.as_strided(size, stride, offset)
+        # (a differentiable output of a region called under no_grad: the input it returned, or a view the
+        # function made under its own enable_grad: differentiated as in plain code)
+        with torch.enable_grad() if diff[i] else contextlib.nullcontext():
+            outs[i] = base.as_strided(size, stride, offset)
 
 
 def batched_outputs(outs: tuple, tensors, diff, widen: list[bool], views: dict[int, tuple]) -> tuple:

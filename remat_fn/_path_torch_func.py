@@ -316,10 +316,10 @@ class _RematFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         spec: RegionState = ctx.spec
-        if not spec.grad_mode or not any(g is not None and d for g, d in zip(grads, ctx.out_diff)):
-            # no gradient flows in (an output only forward mode differentiates, see fwd_diff, takes none);
-            # called under no_grad, the region is a constant of every grad level, as its ops would be
-            # (functorch's custom_function_call re-enables grad below the innermost level)
+        if not any(g is not None and d for g, d in zip(grads, ctx.out_diff)):
+            # no gradient flows in (an output only forward mode differentiates, see fwd_diff, takes none:
+            # called under no_grad, functorch's custom_function_call re-enables grad below the innermost
+            # level, where the region's ops would be constants)
             return (None,) * len(ctx.needs_input_grad)
         tensors = saved_inputs(ctx, spec)
         wrt = [i for i, t in enumerate(tensors) if ctx.needs_input_grad[i + 1] and _is_diff(t)]
@@ -524,9 +524,9 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             frame = spec.frame = Frame(None, None, None, name, False)
             frame.rec, frame.deferred = spec.rec, True
             spec.frame.tape = spec.tape = Tape(func_path=spec.batched, copies=True)  # (batched: see draws_in_vmap below)
-        # (under no_grad forward mode still differentiates: its tangents are not stopped by it)
-        spec.fwd = forward_mode_active()
-        spec.needs = [(grad_mode or spec.fwd) and needs_grad(t) and _is_diff(t) for t in (*inputs, *closed)]
+        spec.fwd = forward_mode_active()  # (not stopped by no_grad: see forward_reached)
+        # (and under no_grad, where the function may enable grad itself: its outputs tell, see mask)
+        spec.needs = [needs_grad(t) and _is_diff(t) for t in (*inputs, *closed)]
         if spec.vmapped and any(spec.needs):
             spec.widen = differentiated_outside_vmaps(levels, any(unwrap_all(t).requires_grad for t in (*inputs, *closed)))
         spec.prof = prof
@@ -536,7 +536,11 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         tapes = recording_tapes() if grad_mode else []
         starts = [len(t.nodes) for t in tapes]
         try:
-            outs = _RematFunction.apply(spec, *inputs, *closed)
+            # (called under no_grad: applied with grad on, so an output the function makes under its own
+            # enable_grad, or an input it returns, is differentiated as in plain code; the others are
+            # marked non-differentiable, see mask; the function runs in the caller's grad mode)
+            with torch.enable_grad() if not grad_mode and any(spec.needs) else _NULL:
+                outs = _RematFunction.apply(spec, *inputs, *closed)
             for t, k in zip(tapes, starts):
                 t.spans.append((k, len(t.nodes), call.opts, name))
         except NeedsGraph:
@@ -606,7 +610,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     if spec.unsure:
         check_unsure(spec)
     if spec.views:
-        rebuild(outs, spec.views, (*inputs, *closed), spec.diff, n)
+        rebuild(outs, spec.views, (*inputs, *closed), spec.diff, n, spec.fwd_diff)
     if off is not None:
         for o, h in zip(outs, off.hints):
             if h is not None:

@@ -156,7 +156,8 @@ def forward_reached(tape, outs, bases: set) -> list[bool]:
     for t in outs:
         b = unwrap_all(t) if isinstance(t, torch.Tensor) else None
         vs = (tape.value_of(b), tape.write_before(b)) if b is not None else ()
-        out.append(any(v is not None and id(v) in live for v in vs))
+        # (an input returned as it came carries its tangent)
+        out.append(b is not None and id(b) in bases or any(v is not None and id(v) in live for v in vs))
     return out
 
 

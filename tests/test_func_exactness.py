@@ -553,3 +553,69 @@ def test_region_called_under_no_grad(kind, transform):
     plain_kind = "ops" if transform in ("grad_of_grad", "grad_of_jvp") else kind
     want = run(lambda x, w: _region_called_under_no_grad(plain_kind)(x, w, ident))
     assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+_VIEWS = {
+    "T": lambda x: x.T, "slice": lambda x: x[1:], "expand": lambda x: x[:1].expand(3, 3),
+    "select": lambda x: x[1], "unbind": lambda x: x.unbind(0)[2], "identity": lambda x: x, "detach": lambda x: x.detach(),
+}
+
+
+@pytest.mark.parametrize("where", ["region_called_under_no_grad", "no_grad_inside", "jvp_under_no_grad"])
+@pytest.mark.parametrize("view", sorted(_VIEWS))
+def test_view_of_an_input_under_no_grad_keeps_its_tangent(view, where):
+    # A view of an input (or the input itself) made under no_grad has the input's tangent in plain
+    # code (detach has none): rebuilt after the Function as a view made under no_grad, it kept no
+    # tangent (zero under jvp/jacfwd; a regression of the forward-mode fix, found by a hostile pass).
+    x = torch.arange(1.0, 10.0, dtype=torch.float64).reshape(3, 3)
+
+    def loss(wrap):
+        def body(a):
+            if where == "no_grad_inside":
+                with torch.no_grad():
+                    return _VIEWS[view](a)
+            return _VIEWS[view](a)
+
+        def run(a):
+            if where == "region_called_under_no_grad":
+                with torch.no_grad():
+                    o = wrap(body)(a)
+            else:
+                o = wrap(body)(a)
+            return (o * o).sum()
+        return run
+
+    def jv(f):
+        if where == "jvp_under_no_grad":
+            with torch.no_grad():
+                return jvp(f, (x,), (torch.ones_like(x),)), jacfwd(f)(x)
+        return jvp(f, (x,), (torch.ones_like(x),)), jacfwd(f)(x)
+
+    assert_tree_close(jv(loss(remat)), jv(loss(ident)), rtol=1e-12, atol=1e-12)
+    nested = jv(loss(lambda f: remat(lambda a: remat(f)(a))))
+    assert_tree_close(nested, jv(loss(ident)), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["enable_grad_inside", "input_returned"])
+def test_region_called_under_no_grad_differentiates_what_plain_code_does(case):
+    # Under grad, a region called under no_grad whose function enables grad itself, or returns an
+    # input as it came: plain code differentiates those outputs (the region's Function, applied
+    # under no_grad, made them constants: 0.90 for 0.70, and half the gradient)
+    w = torch.tensor([1.5, 0.4, -0.9], dtype=torch.float64)
+
+    def body(a):
+        if case == "input_returned":
+            return a, (a * w).sin()
+        with torch.enable_grad():
+            return (a * w).cos(), (a * w).sin()
+
+    def loss(wrap):
+        def run(a):
+            with torch.no_grad():
+                o, p = wrap(body)(a)
+            return (o * p * a).sum()
+        return run
+
+    x = torch.tensor([0.3, -1.2, 0.7], dtype=torch.float64)
+    assert_tree_close(grad(loss(remat))(x), grad(loss(ident))(x), rtol=1e-12, atol=1e-12)
+    assert_tree_close(jvp(grad(loss(remat)), (x,), (x,)), jvp(grad(loss(ident)), (x,), (x,)), rtol=1e-12, atol=1e-12)
