@@ -16,7 +16,7 @@ import remat_fn.compat
 from remat_fn import RematError, remat
 from remat_fn.policies import dots_saveable, everything_saveable, nothing_saveable
 
-from ._util import assert_tree_close, ident
+from ._util import assert_tree_close, ident, square_function
 
 torch.manual_seed(0)
 X = torch.randn(4, 3, dtype=torch.float64)
@@ -456,25 +456,7 @@ def test_side_channel_holding_a_nested_regions_output(policy):
     torch.testing.assert_close(grad(loss)(X, lambda f: remat(f, policy=policy)), grad(loss)(X, lambda f: f))
 
 
-class _SqWithRules(torch.autograd.Function):
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(a):
-        return a * a
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
-        ctx.save_for_forward(inputs[0])
-
-    @staticmethod
-    def backward(ctx, g):
-        return 2 * ctx.saved_tensors[0] * g
-
-    @staticmethod
-    def jvp(ctx, t):
-        return 2 * ctx.saved_tensors[0] * t
+_SqWithRules = square_function("_SqWithRules")
 
 
 def _output_made_under_no_grad(kind):
