@@ -37,7 +37,7 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import Phase, assume, given, settings
+from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.func import grad, jacrev, jvp, vjp, vmap
@@ -503,7 +503,10 @@ def check_feature(program, policy, transform, seed, wrt):
 
 
 def _feature_test(feature):
-    @settings(max_examples=N_FEATURE, deadline=None, phases=[p for p in Phase if p != Phase.explain])  # (explain: minutes)
+    # (explain: minutes; filter_too_much: programs plain torch rejects are filtered out, and some draws of
+    # the alias programs are mostly such: hypothesis's health check failed one full run on it, remat untested)
+    @settings(max_examples=N_FEATURE, deadline=None, phases=[p for p in Phase if p != Phase.explain],
+              suppress_health_check=[HealthCheck.filter_too_much])
     @given(program=feature_programs(feature), policy=st.sampled_from(sorted(POLICIES)),
            transform=st.sampled_from(FEATURE_TRANSFORMS[feature]), seed=st.integers(0, 2**16), data=st.data())
     def test(program, policy, transform, seed, data):
