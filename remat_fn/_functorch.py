@@ -18,7 +18,7 @@ __all__ = [
     "C", "transforms_active", "transform_stack", "transform_kinds", "is_wrapped", "unwrap_one",
     "unwrap_all", "version_alias",
     "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead",
-    "forward_mode_active", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
+    "forward_mode_active", "forward_mode_at", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
     "requires_grad_anywhere", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
     "draws_batched", "batch_layers", "rebatch", "grad_on_top", "vmaps_outermost",
 ]
@@ -221,6 +221,16 @@ def forward_mode_active() -> bool:
     if forward_ad_level() >= 0:
         return True
     return functorch_active() and any(i.key() == _JVP for i in transform_stack())
+
+
+def forward_mode_at(levels: dict) -> bool:
+    """Forward-mode AD differentiates a call made under ``levels`` (see :func:`live_levels`): a
+    functorch ``jvp`` level among them, or, with none active, an eager dual level.  (Inside a
+    custom Function's forward, where torch set the caller's levels aside, the dual level
+    functorch's ``jvp`` runs on stays on: no tangent reaches that forward.)"""
+    if levels:
+        return any(k == _JVP for k in levels.values())
+    return forward_ad_level() >= 0
 
 
 def nested_forward_mode() -> bool:

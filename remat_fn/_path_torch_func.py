@@ -92,6 +92,7 @@ from ._functorch import (
     carries_grad,
     differentiated_outside_vmaps,
     forward_mode_active,
+    forward_mode_at,
     grad_on_top,
     is_vmap_kind,
     live_levels,
@@ -183,7 +184,9 @@ class _RematFunction(torch.autograd.Function):
                     else:  # (checked now: these nodes would hold the level's graph)
                         spec.foreign = spec.foreign or foreign_functions(roots, _RematFunction, tape.functions)
                 mask = [_is_diff(t) and carries_grad(t) for t in o]
-                if spec.fwd:  # (forward mode around the call: an output made under no_grad has a tangent)
+                # (forward mode around the call: an output made under no_grad has a tangent; in an enclosing
+                # region's forward, its tape must see a view of an input made under no_grad as a view, see rebuild)
+                if spec.fwd or nested_in_forward():
                     reach = forward_reached(tape, o, {id(unwrap_all(t)) for t in tensors})
                     spec.fwd_diff = [m or (_is_diff(t) and r) for m, t, r in zip(mask, o, reach)]
                 box.append((rb, mask, saved_storages(o) if keep and measure else noted,
@@ -304,7 +307,7 @@ class _RematFunction(torch.autograd.Function):
         # its arguments are checked there as any tensor, remat holding no Python reference to them)
         note_region_inputs(inputs[1 + spec.n_in:], spec)
         ctx.save_for_forward(*inputs[1:])
-        fwd_diff = spec.fwd_diff or spec.diff  # (forward mode differentiates what no_grad made too)
+        fwd_diff = spec.fwd_diff if spec.fwd and spec.fwd_diff else spec.diff  # (forward mode: what no_grad made too)
         nd = [o for o, d in zip(output, fwd_diff) if not d]
         if nd:
             ctx.mark_non_differentiable(*nd)
@@ -524,7 +527,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             frame = spec.frame = Frame(None, None, None, name, False)
             frame.rec, frame.deferred = spec.rec, True
             spec.frame.tape = spec.tape = Tape(func_path=spec.batched, copies=True)  # (batched: see draws_in_vmap below)
-        spec.fwd = forward_mode_active()  # (not stopped by no_grad: see forward_reached)
+        spec.fwd = forward_mode_at(levels)  # (not stopped by no_grad: see forward_reached)
         # (and under no_grad, where the function may enable grad itself: its outputs tell, see mask)
         spec.needs = [needs_grad(t) and _is_diff(t) for t in (*inputs, *closed)]
         if spec.vmapped and any(spec.needs):
