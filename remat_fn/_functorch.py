@@ -229,7 +229,7 @@ def forward_mode_at(levels: dict) -> bool:
     custom Function's forward, where torch set the caller's levels aside, the dual level
     functorch's ``jvp`` runs on stays on: no tangent reaches that forward.)"""
     if levels:
-        return any(k == _JVP for k in levels.values())
+        return any(is_jvp_kind(k) for k in levels.values())
     return forward_ad_level() >= 0
 
 

@@ -41,7 +41,7 @@ import torch
 from ._func_semantics import replace_at
 from ._function_steps import FunctionStep, apply_step, plan_steps
 from ._functorch import unwrap_all
-from ._ops import ALIASING, DETACH, arg_meta, no_autocast, reenter, run_recorded, storage_key
+from ._ops import ALIASING, DETACH, arg_meta, no_autocast, reenter, run_recorded
 from ._tape import Value
 from ._torch_internals import DisableFuncTorch, TorchDispatchMode
 from ._unseen import unseen_alias
@@ -154,12 +154,12 @@ def forward_reached(tape, outs, bases: set) -> list[bool]:
             live.update(id(w) for _, w in n.writes)
     out = []
     for t in outs:
-        b = unwrap_all(t) if isinstance(t, torch.Tensor) else None
-        # (the last write into its storage, looked up without giving a storage-less wrapper a key)
-        p = storage_key(b) if b is not None else None
-        vs = (tape.value_of(b), tape.last_write.get(p) if p and tape.last_write else None) if b is not None else ()
-        # (an input returned as it came carries its tangent)
-        out.append(b is not None and id(b) in bases or any(v is not None and id(v) in live for v in vs))
+        if not isinstance(t, torch.Tensor):
+            out.append(False)
+            continue
+        b = unwrap_all(t)
+        # (an input returned as it came carries its tangent; the last write into an output's storage, too)
+        out.append(id(b) in bases or any(v is not None and id(v) in live for v in (tape.value_of(b), tape.write_before(b))))
     return out
 
 
