@@ -32,7 +32,9 @@ from ._function_steps import forward_below, function_steps, invisible
 from ._functorch import (
     any_batched,
     carries_grad,
+    current_level,
     from_lowered_level,
+    grad_mode_at,
     is_wrapped,
     needs_grad,
     requires_grad_anywhere,
@@ -53,7 +55,7 @@ from ._torch_internals import (
 from ._unseen import note_alias
 
 __all__ = ["CaptureMode", "Known", "MissedCapture", "first_run_of_nested", "nested_in_forward", "note_region_inputs",
-           "note_region_outputs", "substituted", "swap_side_output"]
+           "note_region_outputs", "substituted", "swap_side_output", "watched"]
 
 
 def note_region_inputs(tensors, holder) -> None:
@@ -85,6 +87,12 @@ def nested_in_forward() -> bool:
     """An enclosing region's forward is being recorded on the torch.func path (its
     side-output check will count the Python references to what this call keeps)."""
     return any(mode.made is not None for mode in AMBIENT.captures)
+
+
+def watched(own: int) -> int:
+    """What a forward watches for side outputs (``CaptureMode.every``, see ``_leaves``): ``own``,
+    or what an enclosing region's forward watches (a side output of this call is one of its)."""
+    return max([own, *(mode.every for mode in AMBIENT.captures if mode.made is not None)])
 
 
 def swap_side_output(t: torch.Tensor, o: torch.Tensor) -> None:
@@ -219,6 +227,8 @@ class CaptureMode(TorchFunctionMode):
         self.trace = trace
         self.name = name
         self.depth = region_depth()
+        # (the functorch level the function is called at: a transform it calls itself sits above)
+        self.base = current_level()
         # the region's inputs (and their replacements), which it must not modify
         self.inputs = known.ids() | {id(r) for r in subst.values()} if known is not None else None
         self.input_storages = {p for t in (*inputs, *subst.values()) if (p := storage_ptr(t)) is not None}
@@ -239,6 +249,7 @@ class CaptureMode(TorchFunctionMode):
         # the function read or wrote ``.data``: an alias no aten op makes, which the recorded
         # forward cannot tell from the tensor (no replay stands in for it, see _replay_live)
         self.opaque = False
+        self.every = 0  # (see _leaves)
 
     def _fix(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -361,7 +372,7 @@ class CaptureMode(TorchFunctionMode):
         with DisableTorchFunction():
             for call, pos, ref in made:
                 t = ref()
-                if t is None or id(t) in seen or not carries_grad(t):
+                if t is None or id(t) in seen or not self._leaves(t):
                     continue
                 # Held by Python beyond what remat's own objects hold (``outs``, a nested region's
                 # tables of the tensors it closes over): it left by a side channel.  (One autograd
@@ -396,15 +407,22 @@ class CaptureMode(TorchFunctionMode):
         self._made(self.calls, outs, ())
         self.calls += 1
 
+    def _leaves(self, t: torch.Tensor) -> bool:
+        """``t`` would be wrong in the caller's hands if it left by a side channel: it carries
+        a gradient, or (``every`` 1: under forward mode, where ``no_grad`` stops no tangent) any
+        floating tensor, or (2: under ``vmap``, whose levels are set aside here) any tensor."""
+        every = self.every
+        return carries_grad(t) or every == 2 or (every == 1 and (t.is_floating_point() or t.is_complex()))
+
     def _made(self, call, out, args) -> None:
         made = self.made
         if made is not None:
             if isinstance(out, torch.Tensor):  # (most calls)
-                if carries_grad(out) and not any(out is a for a in args):
+                if self._leaves(out) and not any(out is a for a in args):
                     made.append((call, 0, weakref.ref(out)))
             else:
                 made.extend((call, i, weakref.ref(t)) for i, t in self._made_tensors(out, args)
-                            if carries_grad(t))
+                            if self._leaves(t))
             if self.late:  # (a nested region's forward in a run again: see first_run_of_nested)
                 for i, t in self._made_tensors(out, args):
                     self._stands_for(call, i, t)
@@ -450,7 +468,9 @@ class CaptureMode(TorchFunctionMode):
                 out = _write_below(func, a0, args, kwargs)
         if out is None:
             grad = AMBIENT.call_grad
-            AMBIENT.call_grad = torch.is_grad_enabled()  # (what the tape records, see call_grad_mode)
+            # (what the tape records, see call_grad_mode: inside a torch.func transform the function
+            # calls, the mode its ops reach the region's level with)
+            AMBIENT.call_grad = grad_mode_at(self.base)
             try:
                 if func is custom_function_call and invisible(args[0], self.levels):  # (under no_grad)
                     out = forward_below(args, kwargs)

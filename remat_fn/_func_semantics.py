@@ -34,7 +34,7 @@ import optree
 import torch
 
 from ._autocast import AutocastState
-from ._captures import CaptureMode, Known, first_run_of_nested, swap_side_output
+from ._captures import CaptureMode, Known, first_run_of_nested, swap_side_output, watched
 from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
 from ._describe import describe, describe_meta
@@ -499,6 +499,8 @@ class RegionState:
                            inputs=() if recompute else tensors[:n],
                            grab=self.escapes if recompute else None, late=late, first=first)
         mode.levels = self.levels
+        # (side outputs no_grad made, see _leaves; in an enclosing region's forward, for its levels)
+        mode.every = 0 if recompute else watched(2 if self.vmapped else 1 if self.fwd else 0)
         with mode:
             try:
                 outs, rebuild = self.run(args)

@@ -20,7 +20,7 @@ __all__ = [
     "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead",
     "forward_mode_active", "forward_mode_at", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
     "requires_grad_anywhere", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
-    "draws_batched", "batch_layers", "rebatch", "grad_on_top", "vmaps_outermost",
+    "draws_batched", "batch_layers", "rebatch", "grad_on_top", "vmaps_outermost", "current_level", "grad_mode_at",
 ]
 
 C = functorch  # the C++ functorch bindings (checked in remat_fn._torch_internals)
@@ -171,6 +171,27 @@ def grad_wrappers(t: torch.Tensor) -> tuple[list[tuple[int, bool]], torch.Tensor
 def live_levels() -> dict[int, object]:
     """``level -> transform kind`` of the active interpreters."""
     return {i.level(): i.key() for i in transform_stack()}
+
+
+def current_level() -> int:
+    """The innermost active functorch level (0 outside every transform)."""
+    return C.maybe_current_level() or 0
+
+
+def grad_mode_at(level: int) -> bool:
+    """The grad mode an op called now runs under at functorch ``level`` and below (see
+    :func:`current_level`).  A ``grad`` or ``vjp`` level turns grad on for its own ops and
+    lowers each op to the levels below it under the mode it was entered in: an op inside
+    ``grad`` called under ``no_grad`` records nothing at the levels outside."""
+    mode = torch.is_grad_enabled()
+    if (C.maybe_current_level() or 0) <= level:
+        return mode
+    for i in reversed(transform_stack()):
+        if i.level() <= level:
+            break
+        if i.key() == _GRAD:
+            mode = C.CGradInterpreterPtr(i).prevGradMode()
+    return mode
 
 
 def is_grad_kind(kind) -> bool:
