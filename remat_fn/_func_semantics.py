@@ -381,13 +381,15 @@ class RegionState:
                  "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
                  "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "batched", "replay", "widen",
-                 "side_objs", "nested_side", "late_objs", "relocate", "check", "fwd", "fwd_diff", "aborted")
+                 "side_objs", "nested_side", "late_objs", "relocate", "check", "fwd", "fwd_diff", "aborted",
+                 "grad_left")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
         self.n_in = n_in  # distinct input tensors (the same tensor passed twice is one input)
         self.expand = expand  # argument position -> index among the distinct inputs
         self.grad_mode = torch.is_grad_enabled()  # what the function sees, as in plain code
+        self.grad_left = self.grad_mode  # what it leaves (torch.set_grad_enabled(False) not undone)
         # side outputs: {call index: positions} of the forward's tensors that left
         # the region by a side channel, and the objects the caller holds (until
         # they are swapped for the Function's outputs)
@@ -511,6 +513,7 @@ class RegionState:
             # A captured tensor returned as is never went through an op.
             outs = tuple(mode._fix(o) for o in outs)
         if not recompute:
+            self.grad_left = torch.is_grad_enabled()
             self.fwd_hits = mode.hits
             self.foreign = mode.opaque or None  # (.data, hooks, autograd inside: see CaptureMode)
             self.escaped = mode.escaped(outs)

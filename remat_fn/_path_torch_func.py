@@ -458,7 +458,8 @@ def _recompute_fn(spec: RegionState, tensors, wrt, out_diff):
     """The region as a function of its differentiated inputs, returning its differentiable outputs."""
 
     def f(*diff_inputs):
-        outs = checked_outputs(spec, spec.call(replace_at(tensors, wrt, diff_inputs), None)[0])
+        with torch.set_grad_enabled(spec.grad_mode):  # (the caller's mode, as the forward ran it)
+            outs = checked_outputs(spec, spec.call(replace_at(tensors, wrt, diff_inputs), None)[0])
         return tuple(o for o, d in zip(outs, out_diff) if d)
 
     return f
@@ -582,6 +583,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             produced = set()
             continue
         break
+    if spec.grad_left != grad_mode:  # (the function left grad mode set: the caller goes on in it, as in plain code)
+        torch.set_grad_enabled(spec.grad_left)
     if stale:
         stale_side_outputs(spec, stale)
     spec.rng = snap if snap is not None and snap.finish() else None

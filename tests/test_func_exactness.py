@@ -523,15 +523,17 @@ def _region_called_under_no_grad(kind):
     return loss
 
 
+@pytest.mark.parametrize("nested", [False, True])
 @pytest.mark.parametrize("kind", ["ops", "function"])
 @pytest.mark.parametrize("transform", sorted(_FORWARD_OVER) + ["grad_of_grad"])
-def test_region_called_under_no_grad(kind, transform):
+def test_region_called_under_no_grad(kind, transform, nested):
     # A region called under no_grad is a constant of every grad level, as its ops are (functorch
     # re-enables grad below the innermost level for a custom Function, remat's own included: its
     # backward gives nothing), and forward mode pushes tangents through it (its recorded forward, not
     # a run again: a Function in it was once refused as a mismatch of the forward's ops).
     run = {**_FORWARD_OVER, "grad_of_grad": lambda f: grad(lambda y: grad(f)(y, W).pow(2).sum())(X)}[transform]
-    got = run(lambda x, w: _region_called_under_no_grad(kind)(x, w, remat))
+    wrap = (lambda f: remat(lambda *a: remat(f)(*a))) if nested else remat
+    got = run(lambda x, w: _region_called_under_no_grad(kind)(x, w, wrap))
     plain_kind = "ops" if transform in ("grad_of_grad", "grad_of_jvp") else kind
     want = run(lambda x, w: _region_called_under_no_grad(plain_kind)(x, w, ident))
     assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
@@ -689,3 +691,48 @@ def test_side_output_made_under_no_grad(case, transform):
             run(prog(remat), x)
         return
     assert_tree_close(run(prog(remat), x), run(prog(ident), x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("transform", ["eager", "grad", "jvp", "vmap_of_grad", "grad_of_grad"])
+@pytest.mark.parametrize("leak", [False, True])
+@pytest.mark.parametrize("nested", [False, True])
+def test_grad_mode_the_function_leaves_set_holds_after_the_region(leak, transform, nested):
+    # torch.set_grad_enabled(leak) inside the function, not undone: plain code goes on in that mode
+    # after the call (the ops after it differentiated or not).  The region restored the caller's mode
+    # under torch.func: grad gave [1.46, 0.92, -0.63] for plain's [1.5, 0.4, -0.9]
+    w = torch.tensor([1.5, 0.4, -0.9], dtype=torch.float64)
+
+    def f(x, w):
+        h = (x * w).sin()
+        torch.set_grad_enabled(leak)
+        return h * x
+
+    def prog(wrap):
+        region = wrap(lambda x, w: wrap(f)(x, w)) if nested else wrap(f)
+
+        def p(x):
+            before = torch.is_grad_enabled()
+            torch.set_grad_enabled(not leak)
+            try:
+                o = region(x, w) * x.cos()
+            finally:
+                torch.set_grad_enabled(before)
+            return o.sum() + (x * w).sum()
+        return p
+
+    x = torch.tensor([0.3, -1.2, 0.7], dtype=torch.float64)
+
+    def run(p):
+        if transform == "eager":
+            xl = x.clone().requires_grad_()
+            return torch.autograd.grad(p(xl), xl)[0]
+        if transform == "grad":
+            return grad(p)(x)
+        if transform == "jvp":
+            return jvp(p, (x,), (x.cos(),))[1]
+        if transform == "grad_of_grad":
+            return grad(lambda y: grad(p)(y).sin().sum())(x)
+        return vmap(grad(p))(torch.stack([x, 2 * x]))
+
+    assert_tree_close(run(prog(remat)), run(prog(ident)), rtol=1e-12, atol=1e-12)
+    assert torch.is_grad_enabled()
