@@ -77,9 +77,6 @@ def test_autograd_inside_a_region_matches_plain(case, transform):
     f, t = CASES[case], TRANSFORMS[transform]
     if case == "autograd_grad_inside" and transform == "eager_around_grad":
         pytest.skip("torch.autograd.grad of a tensor torch.func.grad wraps: plain code refuses it")
-    if case == "detach_in_place" and transform in ("jvp", "jacfwd"):
-        pytest.xfail("forward mode alone: the Function's jvp rule runs the function again under torch.func.jvp, "
-                     "where detach_ keeps the tangent (k.detach() out of place is exact); open")
     _close(t(remat(f)), t(f))
 
 
