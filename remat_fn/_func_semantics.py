@@ -382,7 +382,7 @@ class RegionState:
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
                  "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "batched", "replay", "widen",
                  "side_objs", "nested_side", "late_objs", "relocate", "check", "fwd", "fwd_diff", "aborted",
-                 "grad_left")
+                 "grad_left", "rev")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -421,6 +421,7 @@ class RegionState:
         self.fwd_hits: set[int] = set()
         self.rec = None  # remat_fn._record.Record when a policy is in force
         self.needs: list[bool] = []  # which tensor inputs need a gradient
+        self.rev: list[bool] = []  # which of them reverse mode differentiates (see forward)
         self.trace = CallTrace(where=debug)  # the forward's tensor ops, checked on recompute
         self.views: dict[int, tuple] = {}  # output index -> (input index, size, stride, offset)
         self.autocast = AutocastState()  # re-entered by the recomputation

@@ -97,6 +97,7 @@ from ._functorch import (
     is_vmap_kind,
     live_levels,
     needs_grad,
+    requires_grad_anywhere,
     storage_ptr,
     transform_kinds,
     unwrap_all,
@@ -135,6 +136,11 @@ class _RematFunction(torch.autograd.Function):
         known = Known(tensors)
         wrt = [i for i, n in enumerate(spec.needs) if n]
         if wrt:
+            # (under forward mode the vjp level takes the inputs reverse mode differentiates, where there are
+            # any: a tensor only a jvp level wraps gets its tangent from the replay, and a BatchNorm's running
+            # statistics carrying a tangent, required grad under that level, which native_batch_norm refused)
+            if spec.fwd and any(spec.rev):
+                wrt = [i for i in wrt if spec.rev[i]]
             # The forward runs under a vjp level over the inputs that need a
             # gradient, so the function sees what plain code sees (grad mode on,
             # requires_grad), its outputs tell which are differentiable (a
@@ -276,9 +282,16 @@ class _RematFunction(torch.autograd.Function):
                 rec.policy.finish(saved, spec.tape, roots)
         else:
             mask = None
+            # (an enclosing forward records this call: an output aliasing an input that the inputs reach
+            # only through detach is rebuilt detached, so that tape sees no tangent reach it, see rebuild)
+            tape = spec.tape if nested_in_forward() else None
             spec.tape = spec.frame = None  # nothing will be differentiated
-            with saving(spec.rec, recompute=False), torch.set_grad_enabled(spec.grad_mode):
+            with saving(spec.rec, recompute=False, tape=tape), torch.set_grad_enabled(spec.grad_mode):
                 outs, rebuild = spec.call(tensors, known)
+            if tape is not None:
+                ptrs = {storage_ptr(t) for t in tensors} - {None}
+                reach = forward_reached(tape, outs, {id(unwrap_all(t)) for t in tensors})
+                mask = [_is_diff(o) and (r or storage_ptr(o) not in ptrs) for o, r in zip(outs, reach)]
             spec.escaped = []
         spec.n_out = len(outs) - len(spec.escaped)
         spec.diff = [_is_diff(o) for o in outs] if mask is None else mask
@@ -531,6 +544,9 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         spec.fwd = forward_mode_at(levels)  # (not stopped by no_grad: see forward_reached)
         # (and under no_grad, where the function may enable grad itself: its outputs tell, see mask)
         spec.needs = [needs_grad(t) and _is_diff(t) for t in (*inputs, *closed)]
+        # (the inputs reverse mode differentiates: under forward mode the others, which only a jvp level
+        # wraps, stay out of the forward's vjp level, see forward)
+        spec.rev = [n and requires_grad_anywhere(t) for n, t in zip(spec.needs, (*inputs, *closed))]
         if spec.vmapped and any(spec.needs):
             spec.widen = differentiated_outside_vmaps(levels, any(unwrap_all(t).requires_grad for t in (*inputs, *closed)))
         spec.prof = prof

@@ -736,3 +736,22 @@ def test_grad_mode_the_function_leaves_set_holds_after_the_region(leak, transfor
 
     assert_tree_close(run(prog(remat)), run(prog(ident)), rtol=1e-12, atol=1e-12)
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "jvp_of_grad", "hessian"])
+def test_nested_region_returning_a_detached_alias_of_a_no_grad_input(transform):
+    # The nested region's input was made under no_grad (nothing differentiates it in reverse) and it
+    # returns a detached alias: rebuilt after its Function as a view of that input, the enclosing
+    # region's tape saw a view, not a detach, and gave it the input's tangent (jvp 180 for plain's 90)
+    x = torch.arange(1.0, 10.0, dtype=torch.float64).reshape(3, 3)
+
+    def run(wrap):
+        def outer(a):
+            with torch.no_grad():
+                h = a * 2
+            return wrap(lambda t: t.detach())(h) * a.sin()
+        return lambda a: wrap(outer)(a).sum()
+
+    tr = {"jvp": lambda p: jvp(p, (x,), (torch.ones_like(x),))[1], "jacfwd": lambda p: jacfwd(p)(x),
+          "jvp_of_grad": lambda p: jvp(grad(p), (x,), (x.cos(),))[1], "hessian": lambda p: hessian(p)(x)}[transform]
+    assert_tree_close(tr(run(remat)), tr(run(ident)), rtol=1e-12, atol=1e-12)
