@@ -412,7 +412,10 @@ class CaptureMode(TorchFunctionMode):
         a gradient, or (``every`` 1: under forward mode, where ``no_grad`` stops no tangent) any
         floating tensor, or (2: under ``vmap``, whose levels are set aside here) any tensor."""
         every = self.every
-        return carries_grad(t) or every == 2 or (every == 1 and (t.is_floating_point() or t.is_complex()))
+        if carries_grad(t):
+            return True
+        # (an inference tensor carries no tangent, and is never batched or swapped: plain code's too)
+        return every > 0 and not t.is_inference() and (every == 2 or t.is_floating_point() or t.is_complex())
 
     def _made(self, call, out, args) -> None:
         made = self.made

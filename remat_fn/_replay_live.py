@@ -143,11 +143,11 @@ def output_value(tape, t: torch.Tensor):
 def forward_reached(tape, outs, bases: set) -> list[bool]:
     """Which of ``outs`` (the region's outputs, while the tape records) the tape computes
     from the tensors ``bases`` (ids of the plain tensors below the Function's inputs)
-    through ops other than ``detach``: what forward mode differentiates, whatever the grad
-    mode (a tangent is not stopped by ``no_grad``)."""
+    through ops other than ``detach`` (and those run under ``inference_mode``): what forward
+    mode differentiates, whatever the grad mode (a tangent is not stopped by ``no_grad``)."""
     live: set[int] = set()
     for n in tape.nodes:
-        if n is None or n.func is DETACH or n.func in INDEPENDENT:
+        if n is None or n.func is DETACH or n.func in INDEPENDENT or n.inference:
             continue
         if any(id(r) in live or (r.node < 0 and r.t is not None and id(r.t) in bases) for r in n.reads):
             live.update(id(v) for v in n.outs if v is not None)
@@ -343,7 +343,8 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None, region=No
         kept = keep and bool(entries) and node.key is not None and entries.get(node.key) is not None \
             and not node.writes and node.rng is None
         if id(node) in top_ids:
-            with torch.set_grad_enabled(node.grad), _Kept(node, rec) if kept else _NULL:
+            with torch.set_grad_enabled(node.grad), torch.inference_mode() if node.inference else _NULL, \
+                    _Kept(node, rec) if kept else _NULL:
                 return run_recorded(node, args, kwargs)
         with DisableFuncTorch(), torch.no_grad():
             if node.func in INDEPENDENT:  # (its tensor argument may be an input: its sizes only)

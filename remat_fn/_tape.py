@@ -96,7 +96,7 @@ class Node:
     """One recorded op."""
 
     __slots__ = ("func", "flat", "spec", "kw", "reads", "outs", "writes", "rng", "key", "meta", "always", "shapes",
-                 "held", "probe", "grad")
+                 "held", "probe", "grad", "inference")
 
     def __init__(self, func, flat, spec, kw, reads, rng, key):
         self.func = func
@@ -121,6 +121,7 @@ class Node:
         # grad mode when it ran (off under the function's no_grad, and inside a custom
         # autograd.Function's forward): a differentiated replay runs it so (see _replay_live)
         self.grad = call_grad_mode()
+        self.inference = torch.is_inference_mode_enabled()  # (no tangent reaches its results: see _replay_live)
 
 
 class Tape:
