@@ -235,16 +235,16 @@ def foreign_functions(roots, own, steps=None) -> bool:
         if node is None or id(node) in seen:
             continue
         seen[id(node)] = node
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
-            cls = function_class(node)
-            if cls is not own and not (steps and steps.get(cls)):
-                return True
+        custom = isinstance(node, torch.autograd.function.BackwardCFunction)
+        cls = function_class(node) if custom else None
+        if custom and cls is not own and not (steps and steps.get(cls)):
+            return True
         try:
             nexts = node.next_functions
         except RuntimeError:
             # (torch 2.12 refuses it on a nested region's own node under forward mode, reached through
             # that region's side output: what lies behind it, that region's call checked for itself)
-            if isinstance(node, torch.autograd.function.BackwardCFunction) and function_class(node) is own:
+            if cls is own:
                 continue
             raise
         stack.extend(n for n, _ in nexts)

@@ -184,7 +184,7 @@ def grad_mode_at(level: int) -> bool:
     lowers each op to the levels below it under the mode it was entered in: an op inside
     ``grad`` called under ``no_grad`` records nothing at the levels outside."""
     mode = torch.is_grad_enabled()
-    if (C.maybe_current_level() or 0) <= level:
+    if current_level() <= level:
         return mode
     for i in reversed(transform_stack()):
         if i.level() <= level:

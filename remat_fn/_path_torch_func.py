@@ -546,7 +546,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         spec.needs = [needs_grad(t) and _is_diff(t) for t in (*inputs, *closed)]
         # (the inputs reverse mode differentiates: under forward mode the others, which only a jvp level
         # wraps, stay out of the forward's vjp level, see forward)
-        spec.rev = [n and requires_grad_anywhere(t) for n, t in zip(spec.needs, (*inputs, *closed))]
+        if spec.fwd:
+            spec.rev = [n and requires_grad_anywhere(t) for n, t in zip(spec.needs, (*inputs, *closed))]
         if spec.vmapped and any(spec.needs):
             spec.widen = differentiated_outside_vmaps(levels, any(unwrap_all(t).requires_grad for t in (*inputs, *closed)))
         spec.prof = prof
