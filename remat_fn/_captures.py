@@ -55,7 +55,7 @@ from ._torch_internals import (
 from ._unseen import note_alias
 
 __all__ = ["CaptureMode", "Known", "MissedCapture", "first_run_of_nested", "nested_in_forward", "note_region_inputs",
-           "note_region_outputs", "substituted", "swap_side_output", "watched"]
+           "note_region_outputs", "reruns_as_plain", "substituted", "swap_view_of", "swap_side_output", "watched"]
 
 
 def note_region_inputs(tensors, holder) -> None:
@@ -95,6 +95,12 @@ def watched(own: int) -> int:
     return max([own, *(mode.every for mode in AMBIENT.captures if mode.made is not None)])
 
 
+def reruns_as_plain(own: bool) -> bool:
+    """``own`` (this call's jvp rule runs the function again as plain code, under vmap of forward
+    mode), or an enclosing region's does (``CaptureMode.plain_rerun``)."""
+    return own or any(mode.plain_rerun for mode in AMBIENT.captures if mode.made is not None)
+
+
 def swap_side_output(t: torch.Tensor, o: torch.Tensor) -> None:
     """``torch.utils.swap_tensors(t, o)``, where the enclosing regions know ``t`` or ``o`` (by a
     weak reference, which the swap refuses): set aside for the swap, known again after it."""
@@ -107,6 +113,29 @@ def swap_side_output(t: torch.Tensor, o: torch.Tensor) -> None:
     finally:
         for k, xs in held:
             k.update(xs)
+
+
+def swap_view_of(t: torch.Tensor, x: torch.Tensor) -> None:
+    """``t``, held by the caller's objects, is a wrapper of the Function's levels (dead after it): an
+    input the function stored, or what a run again of the function stored there (see
+    RegionState.rerun_objs).  The object takes a view of the caller's ``x`` (plain code stores ``x``
+    itself), made as the caller's ops are: an enclosing region's forward records the view, and sees
+    the object as the tensor it made."""
+    AMBIENT.depth -= 1  # (the caller's op: an enclosing region's forward counts it as one of its calls)
+    try:
+        v = x.view_as(x)
+    finally:
+        AMBIENT.depth += 1
+    mode = AMBIENT.captures[-1] if AMBIENT.captures else None
+    made = mode.made if mode is not None else None
+    at = [k for k, e in enumerate(made) if e[2]() is v] if made else []
+    entries = [made.pop(k)[:2] for k in reversed(at)] if made else []  # (a weak reference refuses the swap)
+    swap_side_output(t, v)
+    for call, pos in entries:
+        made.append((call, pos, weakref.ref(t)))  # type: ignore[union-attr]
+    if mode is not None:  # (t holds what v held: a run again grabs it, see _made and _stands_for)
+        for d in (mode.subst, mode.grabbed):
+            d.update({k: t for k, r in d.items() if r is v})
 
 
 def note_region_outputs(tensors, first=None) -> None:
@@ -250,6 +279,7 @@ class CaptureMode(TorchFunctionMode):
         # forward cannot tell from the tensor (no replay stands in for it, see _replay_live)
         self.opaque = False
         self.every = 0  # (see _leaves)
+        self.plain_rerun = False  # (see reruns_as_plain)
 
     def _fix(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):

@@ -24,6 +24,7 @@ function and its caller what plain code would:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import sys
@@ -34,7 +35,7 @@ import optree
 import torch
 
 from ._autocast import AutocastState
-from ._captures import CaptureMode, Known, first_run_of_nested, swap_side_output, watched
+from ._captures import CaptureMode, Known, first_run_of_nested, reruns_as_plain, swap_side_output, swap_view_of, watched
 from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
 from ._describe import describe, describe_meta
@@ -52,6 +53,7 @@ from ._torch_internals import hooks_enabled as _hooks_on
 from ._torch_internals import pop_hooks as _pop_hooks
 from ._torch_internals import push_hooks as _push_hooks
 from ._torch_internals import top_hooks as _top_hooks
+from ._torch_internals import use_count
 from ._torch_internals import version as version_of
 
 __all__ = ["RegionState", "ForwardHook", "NeedsGraph", "keep_nothing", "hooks_aside", "random_in_vmap", "draws_in_vmap",
@@ -185,14 +187,24 @@ def draws_in_vmap(spec, tape, batched: bool = False) -> bool:
     return spec.vmapped and any(n.rng is not None for n in tape.nodes) and (not batched or draws_batched())
 
 
-def connect_side_outputs(spec, side) -> None:
+def connect_side_outputs(spec, side, inputs) -> None:
     """Make the tensors that left the forward by a side channel the Function's
     outputs, in place: the caller's objects (in a list, an attribute, a hook's
-    collection) take the content of the outputs, so their gradient flows."""
+    collection) take the content of the outputs, so their gradient flows.  An
+    input the function stored takes a view of the caller's tensor (see RegionState.call),
+    and what a run again in the jvp rule stored (``rerun_objs``) a view of that output."""
     held, spec.escaped = spec.escaped, []
     for t, o in zip(held, side):
         try:
             swap_side_output(t, o)
+        except RuntimeError as e:
+            raise side_output_error(spec, t, str(e)) from None
+    stored, spec.held_inputs = spec.held_inputs, []
+    again, spec.rerun_objs = spec.rerun_objs, []
+    # (an input the Function's forward sees as the caller's very object: stored as plain code stores it)
+    for t, x in [*((t, inputs[k]) for k, t in stored if t is not inputs[k]), *zip(again, held)]:
+        try:
+            swap_view_of(t, x)
         except RuntimeError as e:
             raise side_output_error(spec, t, str(e)) from None
 
@@ -218,6 +230,11 @@ def check_unsure(spec) -> None:
         t = r()
         if t is not None:
             raise side_output_error(spec, t, "autograd holds it too")
+
+
+def _py_refs(t) -> int:
+    """Python references to ``t``, less the one its TensorImpl keeps while C++ also holds it."""
+    return 0 if t is None else sys.getrefcount(t) - (use_count(t) > 1)
 
 
 def side_output_error(spec, t: torch.Tensor, why: str) -> RematError:
@@ -382,7 +399,7 @@ class RegionState:
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
                  "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "batched", "replay", "widen",
                  "side_objs", "nested_side", "late_objs", "relocate", "check", "fwd", "fwd_diff", "aborted",
-                 "grad_left", "rev")
+                 "grad_left", "rev", "held_inputs", "rerun_objs")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -395,6 +412,8 @@ class RegionState:
         # they are swapped for the Function's outputs)
         self.escapes: dict[int, list[int]] = {}
         self.escaped: list = []
+        self.held_inputs: list = []  # (index, object) of the inputs the function stored: see connect_side_outputs
+        self.rerun_objs: list = []  # what the jvp rule's run again left in the caller's objects, per side output
         self.side_objs: list = []  # (the caller's object, its (call index, position)) per side output
         self.nested_side: dict = {}  # the same for the regions nested in it (see CaptureMode's first)
         self.late_objs: list = []  # the same, of its first run, where this call runs inside a run again
@@ -478,14 +497,26 @@ class RegionState:
             with self.reach.relocated({**subst, **places} if self.relocate else places), \
                     PrivateWrites(self.written, copies) if self.written else _NULL:
                 return self._call(tensors, known, subst)
+        # Inputs the function stores (``box.append(x)``) are found by their Python references: one more
+        # after it than before (with subst's), less the outputs (see connect_side_outputs).  Wrappers of the
+        # Function's levels only: the tape holds the plain tensors it reads.  (Under vmap of forward mode
+        # the jvp rule runs the function again as plain code, on the caller's tensors, which it stores.)
+        watch = not reruns_as_plain(self.fwd and self.batched)
+        given = [t if watch and is_wrapped(t) else None for t in tensors[:n]]
+        before = [_py_refs(t) for t in given]
         if not self.relocate:
-            return self._call(tensors, known, subst)
-        # (the function calls torch.func itself: a transform it enters wraps what it is handed, and a
-        # tensor of a level set aside in this forward (a constant made under the caller's transforms)
-        # must reach it as this forward's ops see it, unwrapped: functorch asserts on it otherwise)
-        consts = {i: unwrap_all(t) for i, t in self.reach.tensors.items() if i not in subst and is_wrapped(t)}
-        with self.reach.relocated({**consts, **subst}):
-            return self._call(tensors, known, subst)
+            out = self._call(tensors, known, subst)
+        else:
+            # (the function calls torch.func itself: a transform it enters wraps what it is handed, and a
+            # tensor of a level set aside in this forward (a constant made under the caller's transforms)
+            # must reach it as this forward's ops see it, unwrapped: functorch asserts on it otherwise)
+            consts = {i: unwrap_all(t) for i, t in self.reach.tensors.items() if i not in subst and is_wrapped(t)}
+            with self.reach.relocated({**consts, **subst}):
+                out = self._call(tensors, known, subst)
+        in_outs = collections.Counter(id(o) for o in out[0])
+        after = [_py_refs(t) - in_outs[id(t)] for t in given]  # (counted as before was)
+        self.held_inputs = [(k, given[k]) for k, (a, b) in enumerate(zip(after, before)) if a > b]
+        return out
 
     def _call(self, tensors, known, subst):
         n = self.n_in
@@ -504,6 +535,7 @@ class RegionState:
         mode.levels = self.levels
         # (side outputs no_grad made, see _leaves; in an enclosing region's forward, for its levels)
         mode.every = 0 if recompute else watched(2 if self.vmapped else 1 if self.fwd else 0)
+        mode.plain_rerun = not recompute and reruns_as_plain(self.fwd and self.batched)
         with mode:
             try:
                 outs, rebuild = self.run(args)
@@ -519,6 +551,7 @@ class RegionState:
             self.foreign = mode.opaque or None  # (.data, hooks, autograd inside: see CaptureMode)
             self.escaped = mode.escaped(outs)
             self.nested_side = mode.nested
+
             return outs, rebuild
         self.trace.finish(self.name)
         if mode.grabbed.keys() != {(c, i) for c, ii in self.escapes.items() for i in ii}:

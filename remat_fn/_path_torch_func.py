@@ -185,7 +185,7 @@ class _RematFunction(torch.autograd.Function):
                 if (frame is not None or spec.replay) and not draws_in_vmap(spec, tape):  # (see remat_fn._replay_live)
                     spec.out_values = [output_value(tape, t) for t in o]
                     roots = [t.grad_fn for t in o if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-                    if frame is not None:  # (checked if a replay is asked for: the graph is kept anyway)
+                    if frame is not None and not spec.held_inputs:  # (checked if a replay is asked for: the graph is kept anyway)
                         spec.roots = roots
                     else:  # (checked now: these nodes would hold the level's graph)
                         spec.foreign = spec.foreign or foreign_functions(roots, _RematFunction, tape.functions)
@@ -221,7 +221,7 @@ class _RematFunction(torch.autograd.Function):
             # or, under vmap(grad), where no replay runs, differentiates the level's graph (its outputs
             # private aliases, see alias_output) unless a region nested in this one holds one of them
             # (swapped, its version checks would fail); batched draws: see draws_in_vmap
-            if (refs and (not spec.batched or any(type(s[2]) is not FunctionStep for s in tape.spans))) \
+            if spec.held_inputs or (refs and (not spec.batched or any(type(s[2]) is not FunctionStep for s in tape.spans))) \
                     or draws_in_vmap(spec, tape, batched=True):
                 spec.graph = None  # backward re-runs (or replays)
             if spec.graph is not None:
@@ -388,8 +388,8 @@ class _RematFunction(torch.autograd.Function):
                 _, touts = torch.func.jvp(replay_fn(spec, tensors, wrt, out_diff, _run_span), primals, tans)
             except CannotReplay:
                 spec.out_values = None
-        if touts is None:
-            f = _recompute_fn(spec, tensors, wrt, out_diff)
+        if touts is None:  # (inside apply: the caller's objects get views of the side outputs, see connect_side_outputs)
+            f = _recompute_fn(spec, tensors, wrt, out_diff, spec.rerun_objs)
             if spec.foreign == "autograd":  # (autograd called inside: under a vjp level, as the forward ran)
                 f = functools.partial(primal_under_vjp, f)
             with spec.rng or _NULL, spec.autocast:  # forward mode: recompute everything
@@ -467,12 +467,14 @@ def _rerun_vjp(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot, sta
         return vjp_fn(cot)
 
 
-def _recompute_fn(spec: RegionState, tensors, wrt, out_diff):
-    """The region as a function of its differentiated inputs, returning its differentiable outputs."""
-
+def _recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None = None):
+    """The region as a function of its differentiated inputs, returning its differentiable outputs
+    (``side``: receives its side outputs, which the run left in the caller's objects)."""
     def f(*diff_inputs):
         with torch.set_grad_enabled(spec.grad_mode):  # (the caller's mode, as the forward ran it)
             outs = checked_outputs(spec, spec.call(replace_at(tensors, wrt, diff_inputs), None)[0])
+        if side is not None:
+            side[:] = outs[spec.n_out:]
         return tuple(o for o, d in zip(outs, out_diff) if d)
 
     return f
@@ -621,8 +623,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     n = spec.n_out
     outs, side = list(outs[:n]), outs[n:]
     held = spec.escaped  # (the caller's objects: an enclosing region sees them made by this call too)
-    if side:
-        connect_side_outputs(spec, side)
+    connect_side_outputs(spec, side, inputs)
     # (the caller's objects holding side outputs, read by a run again of this call or of an enclosing one)
     late = spec.side_late()
     first = (late, spec.nested_side) if late or spec.nested_side else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["StorageCopy", "clone_storage", "from_copy"]
+__all__ = ["StorageCopy", "clone_storage", "from_copy", "versioned_copy"]
 
 
 class StorageCopy:
@@ -41,3 +41,9 @@ def from_copy(v, env: dict) -> torch.Tensor:
         st = env[id(snap)] = clone_storage(snap.storage).untyped_storage()
     dtype, device, offset, size, stride = v.geom
     return torch.empty(0, dtype=dtype, device=device).set_(st, offset, size, stride)
+
+
+def versioned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of the inference tensor ``t`` that is not one: it has a version counter."""
+    with torch.inference_mode(False):
+        return t.clone()

@@ -63,7 +63,7 @@ from ._ops import (
     storage_key,
     written_tensors,
 )
-from ._storage_copy import StorageCopy, clone_storage, from_copy
+from ._storage_copy import StorageCopy, clone_storage, from_copy, versioned_copy
 from ._torch_internals import version as version_of
 from ._unseen import unseen_alias
 
@@ -204,6 +204,8 @@ class Tape:
         ptr = self.key(t)
         if ptr in self.made and (v := unseen_alias(self, t, ptr)) is not None:
             return v
+        if t.is_inference():  # (no version counter: each read keeps a copy of what it read, for the replay)
+            return Value(-1, 0, c := versioned_copy(t), version_of(c), self.key(c))
         v = Value(-1, 0, t, version_of(t), ptr)
         reg[id(t)] = (v, t)
         if ptr:

@@ -1,0 +1,105 @@
+"""A function that stores its own input (``box.append(x)``, an attribute, a dict) and a caller
+that reads it back: plain code holds the caller's tensor there, so a gradient through the stored
+tensor reaches the input.  Under ``torch.func`` the function sees a wrapper of the region's
+Function (dead after it); the region hands the caller's object a view of the caller's tensor
+instead (see ``RegionState.call``).  Every case compares with the plain function."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
+
+from remat_fn import remat
+
+from ._util import assert_tree_close, ident
+
+D = torch.float64
+_g = torch.Generator().manual_seed(5)
+X0 = torch.randn(3, dtype=D, generator=_g)
+V0 = torch.randn(3, dtype=D, generator=_g)
+XB = torch.randn(4, 3, dtype=D, generator=_g)
+W0 = torch.randn(3, 3, dtype=D, generator=_g)
+
+
+def _build(wrap, nest: int, how: str):
+    """``g(x, W)``: a region (``nest`` regions deep) storing its input ``how``; the caller reads it."""
+    box: list = []
+    obj = types.SimpleNamespace()
+
+    def f(x, w):
+        if how == "append":
+            box.append(x)
+        elif how == "attribute":
+            obj.t = x
+        elif how == "under_no_grad":
+            with torch.no_grad():
+                box.append(x)
+        elif how == "twice":
+            box.extend((x, x))
+        elif how == "also_returned":
+            box.append(x)
+            return ((x.sin() * x) @ w).sum(), x
+        return ((x.sin() * x) @ w).sum()
+
+    fn = wrap(f)
+    for _ in range(nest - 1):
+        fn = (lambda inner: wrap(lambda x, w: inner(x, w)))(fn)
+
+    def g(x, w=W0):
+        r = fn(x, w)
+        if how == "also_returned":
+            r = r[0] + r[1].cos().sum()
+        held = obj.t if how == "attribute" else box[-1]
+        return r + 1.5 * (held ** 2).sum() + (held * x).sum()
+
+    return g
+
+
+_TRANSFORMS = {
+    "grad": lambda g: grad(g)(X0),
+    "grad_of_the_weight": lambda g: grad(g, argnums=1)(X0, W0),
+    "vjp": lambda g: vjp(g, X0)[1](torch.tensor(1.0, dtype=D)),
+    "jvp": lambda g: jvp(g, (X0,), (V0,)),
+    "jacrev": lambda g: jacrev(g)(X0),
+    "jacfwd": lambda g: jacfwd(g)(X0),
+    "hessian": lambda g: hessian(g)(X0),
+    "vmap": lambda g: vmap(g)(XB),
+    "vmap_grad": lambda g: vmap(grad(g))(XB),
+    "grad_of_vmap": lambda g: grad(lambda xb: vmap(g)(xb).sum())(XB),
+    "grad_of_grad": lambda g: grad(lambda x: grad(g)(x).sin().sum())(X0),
+    "vmap_jvp": lambda g: vmap(lambda x: jvp(g, (x,), (V0,)))(XB),
+}
+
+
+def _eager(g):
+    x, w = X0.clone().requires_grad_(), W0.clone().requires_grad_()
+    return torch.autograd.grad(g(x, w), (x, w))
+
+
+@pytest.mark.parametrize("how", ["append", "attribute", "under_no_grad", "twice", "also_returned"])
+@pytest.mark.parametrize("nest", [1, 2, 3])
+@pytest.mark.parametrize("transform", [*_TRANSFORMS, "eager"])
+def test_function_storing_its_own_input(how, nest, transform):
+    run = _eager if transform == "eager" else _TRANSFORMS[transform]
+    assert_tree_close(run(_build(remat, nest, how)), run(_build(ident, nest, how)), rtol=1e-10, atol=1e-10)
+
+
+def test_stored_input_is_a_view_of_the_callers_tensor_under_grad():
+    """What the caller finds stored: the caller's values, differentiable at the caller's level
+    (plain code holds the very tensor; remat a view of it, made after the region)."""
+    box: list = []
+
+    def f(x):
+        box.append(x)
+        return x.sin().sum()
+
+    def loss(x):
+        remat(f)(x)
+        held = box[-1]
+        assert held.shape == x.shape and torch.equal(held, x)
+        return (held * 3).sum()
+
+    assert_tree_close(grad(loss)(X0), torch.full_like(X0, 3.0))
