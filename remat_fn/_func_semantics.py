@@ -29,6 +29,7 @@ import contextlib
 import gc
 import sys
 import types
+import weakref
 from collections.abc import Iterator
 
 import optree
@@ -187,26 +188,36 @@ def draws_in_vmap(spec, tape, batched: bool = False) -> bool:
     return spec.vmapped and any(n.rng is not None for n in tape.nodes) and (not batched or draws_batched())
 
 
-def connect_side_outputs(spec, side, inputs) -> None:
+def connect_side_outputs(spec, side: list, inputs) -> None:
     """Make the tensors that left the forward by a side channel the Function's
     outputs, in place: the caller's objects (in a list, an attribute, a hook's
-    collection) take the content of the outputs, so their gradient flows.  An
-    input the function stored takes a view of the caller's tensor (see RegionState.call),
-    and what a run again in the jvp rule stored (``rerun_objs``) a view of that output."""
+    collection) take the content of the outputs, so their gradient flows; the
+    forward's side tensors (now in ``side``) die, with their history.
+
+    Then an input the function stored (see RegionState.call) takes a view of the caller's tensor,
+    and what a run again in the jvp rule left where a side output was (``rerun_objs``) a view of
+    that side output.  One that cannot take it (a weak reference, or autograd holds it too) stays
+    as it is: refused if a gradient or tangent would pass through it."""
     held, spec.escaped = spec.escaped, []
     for t, o in zip(held, side):
         try:
             swap_side_output(t, o)
         except RuntimeError as e:
             raise side_output_error(spec, t, str(e)) from None
+    side.clear()  # (their history held the inputs the function stored)
     stored, spec.held_inputs = spec.held_inputs, []
     again, spec.rerun_objs = spec.rerun_objs, []
     # (an input the Function's forward sees as the caller's very object: stored as plain code stores it)
-    for t, x in [*((t, inputs[k]) for k, t in stored if t is not inputs[k]), *zip(again, held)]:
-        try:
+    for t, x, needs in [*((t, inputs[k], spec.needs[k]) for k, t in stored if t is not inputs[k]),
+                        *((t, o, True) for t, o in zip(again, held))]:
+        if use_count(t) == 1 and not weakref.getweakrefcount(t):
             swap_view_of(t, x)
-        except RuntimeError as e:
-            raise side_output_error(spec, t, str(e)) from None
+        elif needs:
+            why = "autograd holds it too" if use_count(t) > 1 else "a weak reference to it exists"
+            raise RematError(
+                f"remat({spec.name}): the function stored the tensor {describe(t)} it was given (in a list, "
+                f"an attribute or a hook's record) and it cannot be connected to the gradient under torch.func "
+                f"({why}). Fix: store a copy (x.clone()) or return the tensor from the function.")
 
 
 def stale_side_outputs(spec, refs) -> None:

@@ -621,7 +621,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         prof.record_call(name, time.perf_counter() - start, storage_bytes(kept), spec.plain_bytes,
                          spec.rec.offloader.bytes_by_dst() if spec.rec.policy is not None else None)
     n = spec.n_out
-    outs, side = list(outs[:n]), outs[n:]
+    outs, side = list(outs[:n]), list(outs[n:])
     held = spec.escaped  # (the caller's objects: an enclosing region sees them made by this call too)
     connect_side_outputs(spec, side, inputs)
     # (the caller's objects holding side outputs, read by a run again of this call or of an enclosing one)
@@ -630,7 +630,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     if first is not None and not spec.check and _replayable(spec) and spec.tape is not None \
             and not any(nd is not None and nd.rng is not None for nd in spec.tape.nodes):
         spec.side_objs, spec.nested_side, spec.late_objs = [], {}, []  # (no run again of this call reads them)
-    del side  # the forward's side tensors (now in these objects) die here, with their history
+    del side
     if spec.unsure:
         check_unsure(spec)
     if spec.views:

@@ -159,8 +159,12 @@ def forward_ad_level() -> int:
 
 
 def version(t: torch.Tensor) -> int:
-    """``t``'s version counter (NOTE [version counters])."""
-    return t._version
+    """``t``'s version counter (NOTE [version counters]); 0 for an inference tensor, which has
+    none: a write into one (inside ``inference_mode``) is not seen."""
+    try:
+        return t._version
+    except RuntimeError:  # (an inference tensor)
+        return 0
 
 
 def is_view(t: torch.Tensor) -> bool:
