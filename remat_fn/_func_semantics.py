@@ -204,6 +204,7 @@ def connect_side_outputs(spec, side: list, inputs) -> None:
             swap_side_output(t, o)
         except RuntimeError as e:
             raise side_output_error(spec, t, str(e)) from None
+    t = o = None
     side.clear()  # (their history held the inputs the function stored)
     stored, spec.held_inputs = spec.held_inputs, []
     again, spec.rerun_objs = spec.rerun_objs, []

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
-from remat_fn import remat
+from remat_fn import RematError, remat
 
 from ._util import assert_tree_close, ident
 
@@ -103,3 +103,51 @@ def test_stored_input_is_a_view_of_the_callers_tensor_under_grad():
         return (held * 3).sum()
 
     assert_tree_close(grad(loss)(X0), torch.full_like(X0, 3.0))
+
+
+@pytest.mark.parametrize("keeper", ["forward_hook_records_input_and_output", "memo_of_input_and_result"])
+@pytest.mark.parametrize("transform", ["grad", "jvp", "jacfwd", "hessian", "vmap_grad", "grad_of_vmap"])
+def test_function_keeping_its_input_and_a_result_made_from_it(keeper, transform):
+    """The input is stored next to a tensor whose history holds it (found by a hostile pass: the
+    swap ran while that history was alive, and torch.utils.swap_tensors failed deep inside)."""
+    lin = torch.nn.Linear(3, 3, dtype=D)
+    for p in lin.parameters():
+        p.requires_grad_(False)
+    records: list = []
+    if keeper == "forward_hook_records_input_and_output":
+        lin.register_forward_hook(lambda m, inp, out: records.append((inp[0], out)))
+        body = lambda x: lin(x).tanh().sum()
+    else:
+        body = lambda x: (records.append((x, x.sin())), lin(x).tanh().sum())[1]
+
+    def run(wrap):
+        records.clear()
+        f = wrap(body)
+        g = lambda x: f(x) + (records[-1][0] * records[-1][1]).sum()
+        return {"grad": lambda: grad(g)(X0), "jvp": lambda: jvp(g, (X0,), (V0,)), "jacfwd": lambda: jacfwd(g)(X0),
+                "hessian": lambda: hessian(g)(X0), "vmap_grad": lambda: vmap(grad(g))(XB),
+                "grad_of_vmap": lambda: grad(lambda xb: vmap(g)(xb).sum())(XB)}[transform]()
+
+    assert_tree_close(run(remat), run(ident), rtol=1e-10, atol=1e-10)
+
+
+def test_stored_input_with_a_weak_reference():
+    """swap_tensors refuses a tensor with a weak reference: under vmap alone the stored tensor keeps
+    its value (as before); under grad, where its gradient would be lost, a RematError names the fix."""
+    import weakref
+
+    def make(wrap):
+        box: list = []
+        refs: list = []
+
+        def f(x):
+            box.append(x)
+            refs.append(weakref.ref(x))
+            return (x.sin() * x).sum()
+
+        fn = wrap(f)
+        return lambda x: fn(x) + (box[-1] ** 2).sum()
+
+    assert_tree_close(vmap(make(remat))(XB), vmap(make(ident))(XB), rtol=1e-10, atol=1e-10)
+    with pytest.raises(RematError, match="stored the tensor .* Fix: store a copy"):
+        grad(make(remat))(X0)
