@@ -563,7 +563,6 @@ class RegionState:
             self.foreign = mode.opaque or None  # (.data, hooks, autograd inside: see CaptureMode)
             self.escaped = mode.escaped(outs)
             self.nested_side = mode.nested
-
             return outs, rebuild
         self.trace.finish(self.name)
         if mode.grabbed.keys() != {(c, i) for c, ii in self.escapes.items() for i in ii}:
