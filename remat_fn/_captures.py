@@ -44,7 +44,7 @@ from ._functorch import (
     unwrap_one,
 )
 from ._record import recording_tapes
-from ._region import region_depth
+from ._region import as_caller, region_depth
 from ._torch_internals import (
     DisableFuncTorch,
     DisableTorchFunction,
@@ -121,11 +121,8 @@ def swap_view_of(t: torch.Tensor, x: torch.Tensor) -> None:
     RegionState.rerun_objs).  The object takes a view of the caller's ``x`` (plain code stores ``x``
     itself), made as the caller's ops are: an enclosing region's forward records the view, and sees
     the object as the tensor it made."""
-    AMBIENT.depth -= 1  # (the caller's op: an enclosing region's forward counts it as one of its calls)
-    try:
+    with as_caller:  # (the caller's op: an enclosing region's forward counts it as one of its calls)
         v = x.view_as(x)
-    finally:
-        AMBIENT.depth += 1
     mode = AMBIENT.captures[-1] if AMBIENT.captures else None
     made = mode.made if mode is not None else None
     at = [k for k, e in enumerate(made) if e[2]() is v] if made else []

@@ -32,7 +32,7 @@ from ._pytree import flatten_output
 from ._rng_state import devices_of
 from .policies import memory_budget, normalize_policy
 
-__all__ = ["Options", "RegionCall", "entered", "region_depth", "name_of"]
+__all__ = ["Options", "RegionCall", "as_caller", "entered", "region_depth", "name_of"]
 
 _accelerator: list[bool] = []
 # region functions (the very objects) that called a torch.func transform, which refuses the
@@ -300,6 +300,21 @@ class _Entered:
 
 
 _ENTERED = _Entered()
+
+
+class _AsCaller:
+    """One region up, for an op a region makes for its caller after its call (see entered)."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        AMBIENT.depth -= 1
+
+    def __exit__(self, *exc):
+        AMBIENT.depth += 1
+
+
+as_caller = _AsCaller()
 
 
 def entered() -> _Entered:
