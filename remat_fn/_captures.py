@@ -16,6 +16,7 @@ is ever silently dropped.
 from __future__ import annotations
 
 import collections
+import contextlib
 import sys
 import weakref
 from typing import Any
@@ -56,6 +57,8 @@ from ._unseen import note_alias
 
 __all__ = ["CaptureMode", "Known", "MissedCapture", "first_run_of_nested", "nested_in_forward", "note_region_inputs",
            "note_region_outputs", "reruns_as_plain", "substituted", "swap_view_of", "swap_side_output", "watched"]
+
+_NULL = contextlib.nullcontext()
 
 
 def note_region_inputs(tensors, holder) -> None:
@@ -115,15 +118,17 @@ def swap_side_output(t: torch.Tensor, o: torch.Tensor) -> None:
             k.update(xs)
 
 
-def swap_view_of(t: torch.Tensor, x: torch.Tensor) -> None:
+def swap_view_of(t: torch.Tensor, x: torch.Tensor, counted: bool = True) -> None:
     """``t``, held by the caller's objects, is a wrapper of the Function's levels (dead after it): an
     input the function stored, or what a run again of the function stored there (see
     RegionState.rerun_objs).  The object takes a view of the caller's ``x`` (plain code stores ``x``
     itself), made as the caller's ops are: an enclosing region's forward records the view, and sees
-    the object as the tensor it made."""
-    with as_caller:  # (the caller's op: an enclosing region's forward counts it as one of its calls)
-        v = x.view_as(x)
+    the object as the tensor it made.  ``counted``: an enclosing region counts the view among its calls
+    (not for what the jvp rule's run again stored: that rule runs where forward mode reaches the call,
+    in an enclosing region's run again but not in its forward, which unwraps that level)."""
     mode = AMBIENT.captures[-1] if AMBIENT.captures else None
+    with as_caller if counted else _NULL:  # (the caller's op, as an enclosing region's forward sees it)
+        v = x.view_as(x)
     made = mode.made if mode is not None else None
     at = [k for k, e in enumerate(made) if e[2]() is v] if made else []
     entries = [made.pop(k)[:2] for k in reversed(at)] if made else []  # (a weak reference refuses the swap)

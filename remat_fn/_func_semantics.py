@@ -42,7 +42,17 @@ from ._debug import CallTrace
 from ._describe import describe, describe_meta
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_outside
 from ._function_steps import plan_steps
-from ._functorch import carries_grad, draws_batched, is_wrapped, needs_grad, requires_grad_anywhere, storage_ptr, unwrap_all, unwrap_if_dead
+from ._functorch import (
+    carries_grad,
+    draws_batched,
+    is_wrapped,
+    needs_grad,
+    requires_grad_anywhere,
+    storage_ptr,
+    unwrap_all,
+    unwrap_if_dead,
+    wrap_at_top,
+)
 from ._offload import FuncInputs
 from ._ops import PrivateWrites, private_copies
 from ._rng_state import RNGSnapshot
@@ -209,10 +219,10 @@ def connect_side_outputs(spec, side: list, inputs) -> None:
     stored, spec.held_inputs = spec.held_inputs, []
     again, spec.rerun_objs = spec.rerun_objs, []
     # (an input the Function's forward sees as the caller's very object: stored as plain code stores it)
-    for t, x, needs in [*((t, inputs[k], spec.needs[k]) for k, t in stored if t is not inputs[k]),
-                        *((t, o, True) for t, o in zip(again, held))]:
+    for t, x, needs, counted in [*((t, inputs[k], spec.needs[k], c) for k, t, c in stored if t is not inputs[k]),
+                                 *((t, o, True, True) for t, o in zip(again, held))]:
         if use_count(t) == 1 and not weakref.getweakrefcount(t):
-            swap_view_of(t, x)
+            swap_view_of(t, x, counted)
         elif needs:
             why = "autograd holds it too" if use_count(t) > 1 else "a weak reference to it exists"
             raise RematError(
@@ -247,6 +257,15 @@ def check_unsure(spec) -> None:
 def _py_refs(t) -> int:
     """Python references to ``t``, less the one its TensorImpl keeps while C++ also holds it."""
     return 0 if t is None else sys.getrefcount(t) - (use_count(t) > 1)
+
+
+def _stored(given: list, before: list, out, counted: bool = True) -> list:
+    """(index, object, counted) of the inputs in ``given`` with more Python references after the run
+    (``before``: counted before it) than its outputs account for: the function stored them
+    (``counted``: see swap_view_of)."""
+    in_outs = collections.Counter(id(o) for o in out[0])
+    after = [_py_refs(t) - in_outs[id(t)] for t in given]  # (counted as before was)
+    return [(k, given[k], counted) for k, (a, b) in enumerate(zip(after, before)) if a > b]
 
 
 def side_output_error(spec, t: torch.Tensor, why: str) -> RematError:
@@ -411,7 +430,7 @@ class RegionState:
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
                  "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "batched", "replay", "widen",
                  "side_objs", "nested_side", "late_objs", "relocate", "check", "fwd", "fwd_diff", "aborted",
-                 "grad_left", "rev", "held_inputs", "rerun_objs")
+                 "grad_left", "rev", "held_inputs", "rerun_objs", "given_ids")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -424,7 +443,8 @@ class RegionState:
         # they are swapped for the Function's outputs)
         self.escapes: dict[int, list[int]] = {}
         self.escaped: list = []
-        self.held_inputs: list = []  # (index, object) of the inputs the function stored: see connect_side_outputs
+        self.held_inputs: list = []  # (index, object, counted) of the inputs the function stored: see connect_side_outputs
+        self.given_ids: list[int] = []  # ids of the inputs as the caller holds them (the Function's forward may see others)
         self.rerun_objs: list = []  # what the jvp rule's run again left in the caller's objects, per side output
         self.side_objs: list = []  # (the caller's object, its (call index, position)) per side output
         self.nested_side: dict = {}  # the same for the regions nested in it (see CaptureMode's first)
@@ -496,8 +516,23 @@ class RegionState:
         """The caller's objects holding this call's side outputs (see CaptureMode's ``late``)."""
         return [*self.side_objs, *self.late_objs]
 
-    def call(self, tensors, known: Known | None):
-        """Run the region on ``tensors`` (inputs then captured replacements)."""
+    def level_args(self, tensors, wrt, diff, known: Known) -> list:
+        """The forward's arguments under its vjp level: ``diff`` (the level's wrappers) at ``wrt``.  An input
+        the level does not differentiate, which apply unwrapped (a jvp level's, an enclosing forward's), is
+        wrapped at the level too, so that if the function stores it, it is found (see :meth:`call`) and the
+        caller's object takes a view of the caller's tensor."""
+        known.update(diff)
+        args = replace_at(tensors, wrt, diff)
+        for i, g in enumerate(self.given_ids):
+            if i not in wrt and id(t := args[i]) != g and (t.is_floating_point() or t.is_complex()):
+                args[i] = wrap_at_top(t)
+                known.add(args[i])
+        return args
+
+    def call(self, tensors, known: Known | None, stores: bool = False):
+        """Run the region on ``tensors`` (inputs then captured replacements).  ``stores``: a
+        recomputation whose stored inputs are kept as the forward's are (the jvp rule's run
+        again as plain code, under vmap of forward mode: its inputs are its own level's)."""
         n = self.n_in
         subst = {id(o): r for o, r in zip(self.captured, tensors[n:])}
         for i, k in self.aliases:
@@ -506,9 +541,14 @@ class RegionState:
             # buffers the forward wrote (BatchNorm's statistics) as private copies
             copies: dict = {}
             places = private_copies(self.reach.tensors.values(), self.written, copies)
+            given = [t if stores and is_wrapped(t) else None for t in tensors[:n]]
+            before = [_py_refs(t) for t in given]
             with self.reach.relocated({**subst, **places} if self.relocate else places), \
                     PrivateWrites(self.written, copies) if self.written else _NULL:
-                return self._call(tensors, known, subst)
+                out = self._call(tensors, known, subst)
+            if stores:
+                self.held_inputs += _stored(given, before, out, counted=False)
+            return out
         # Inputs the function stores (``box.append(x)``) are found by their Python references: one more
         # after it than before (with subst's), less the outputs (see connect_side_outputs).  Wrappers of the
         # Function's levels only: the tape holds the plain tensors it reads.  (Under vmap of forward mode
@@ -525,9 +565,7 @@ class RegionState:
             consts = {i: unwrap_all(t) for i, t in self.reach.tensors.items() if i not in subst and is_wrapped(t)}
             with self.reach.relocated({**consts, **subst}):
                 out = self._call(tensors, known, subst)
-        in_outs = collections.Counter(id(o) for o in out[0])
-        after = [_py_refs(t) - in_outs[id(t)] for t in given]  # (counted as before was)
-        self.held_inputs = [(k, given[k]) for k, (a, b) in enumerate(zip(after, before)) if a > b]
+        self.held_inputs = _stored(given, before, out)
         return out
 
     def _call(self, tensors, known, subst):

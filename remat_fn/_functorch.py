@@ -21,6 +21,7 @@ __all__ = [
     "forward_mode_active", "forward_mode_at", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
     "requires_grad_anywhere", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
     "draws_batched", "batch_layers", "rebatch", "grad_on_top", "vmaps_outermost", "current_level", "grad_mode_at",
+    "wrap_at_top",
 ]
 
 C = functorch  # the C++ functorch bindings (checked in remat_fn._torch_internals)
@@ -143,6 +144,11 @@ def rebatch(t: torch.Tensor, layers) -> torch.Tensor:
     unpack hook returns, which a ``BatchedTensor`` refuses and a grad wrapper allows."""
     for level, bdim in layers:
         t = C._add_batch_dim(t, bdim, level)
+    return C._wrap_for_grad(t, C.get_interpreter_stack()[-1].level())
+
+
+def wrap_at_top(t: torch.Tensor) -> torch.Tensor:
+    """``t`` wrapped at the innermost live transform, a grad level, without requiring grad there."""
     return C._wrap_for_grad(t, C.get_interpreter_stack()[-1].level())
 
 

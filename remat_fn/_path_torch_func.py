@@ -172,10 +172,9 @@ class _RematFunction(torch.autograd.Function):
                     roots.append(w)
 
             def f(*diff):
-                known.update(diff)
                 # (grad mode as at the call: off where only forward mode differentiates, see spec.fwd)
                 with _NULL if keep else keep_nothing(spec.name, note, hooks), torch.set_grad_enabled(spec.grad_mode):
-                    o, rb = spec.call(replace_at(tensors, wrt, diff), known)
+                    o, rb = spec.call(spec.level_args(tensors, wrt, diff, known), known)
                 # side outputs: candidates now (a tensor the graph saved is alive
                 # too), confirmed once the level's graph is gone (below)
                 pos = [p for p, _ in spec.escaped]
@@ -472,7 +471,7 @@ def _recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None =
     (``side``: receives its side outputs, which the run left in the caller's objects)."""
     def f(*diff_inputs):
         with torch.set_grad_enabled(spec.grad_mode):  # (the caller's mode, as the forward ran it)
-            outs = checked_outputs(spec, spec.call(replace_at(tensors, wrt, diff_inputs), None)[0])
+            outs = checked_outputs(spec, spec.call(replace_at(tensors, wrt, diff_inputs), None, side is not None)[0])
         if side is not None:
             side[:] = outs[spec.n_out:]
         return tuple(o for o, d in zip(outs, out_diff) if d)
@@ -519,6 +518,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
                 "as explicit arguments."
             )
         spec = RegionState(call.run, len(inputs), captured, name, debug, reach, expand)
+        spec.given_ids = [id(t) for t in inputs]
         closed = [unwrap_if_dead(t) for t in substituted(captured)]  # (what the Function gets; the function reads ``captured``)
         spec.produced, spec.keep_graph, spec.levels = produced, keep_graph, levels
         spec.relocate = relocate or keep_graph  # (see RegionState.call)

@@ -71,6 +71,8 @@ _TRANSFORMS = {
     "grad_of_vmap": lambda g: grad(lambda xb: vmap(g)(xb).sum())(XB),
     "grad_of_grad": lambda g: grad(lambda x: grad(g)(x).sin().sum())(X0),
     "vmap_jvp": lambda g: vmap(lambda x: jvp(g, (x,), (V0,)))(XB),
+    "vmap_hessian": lambda g: vmap(hessian(g))(XB),
+    "vmap_jvp_of_grad": lambda g: vmap(lambda x: jvp(grad(g), (x,), (V0,)))(XB),
 }
 
 
@@ -82,7 +84,10 @@ def _eager(g):
 @pytest.mark.parametrize("how", ["append", "attribute", "under_no_grad", "twice", "also_returned"])
 @pytest.mark.parametrize("nest", [1, 2, 3])
 @pytest.mark.parametrize("transform", [*_TRANSFORMS, "eager"])
-def test_function_storing_its_own_input(how, nest, transform):
+def test_function_storing_its_own_input(how, nest, transform, request):
+    if nest == 3 and transform in ("vmap_hessian", "vmap_jvp_of_grad"):
+        request.applymarker(pytest.mark.xfail(strict=True, raises=RematError, reason=(
+            "three regions under vmap of forward mode: refused by name, not run; docs/transform.md")))
     run = _eager if transform == "eager" else _TRANSFORMS[transform]
     assert_tree_close(run(_build(remat, nest, how)), run(_build(ident, nest, how)), rtol=1e-10, atol=1e-10)
 
@@ -151,3 +156,43 @@ def test_stored_input_with_a_weak_reference():
     assert_tree_close(vmap(make(remat))(XB), vmap(make(ident))(XB), rtol=1e-10, atol=1e-10)
     with pytest.raises(RematError, match="stored the tensor .* Fix: store a copy"):
         grad(make(remat))(X0)
+
+
+_FORWARD = {
+    "jvp": lambda g: jvp(g, (X0,), (V0,)),
+    "jacfwd": lambda g: jacfwd(g)(X0),
+    "hessian": lambda g: hessian(g)(X0),
+    "jvp_of_grad": lambda g: jvp(grad(g), (X0,), (V0,)),
+    "vmap_jvp": lambda g: vmap(lambda x: jvp(g, (x,), (V0,)))(XB),
+    "vmap_hessian": lambda g: vmap(hessian(g))(XB),
+}
+
+
+@pytest.mark.parametrize("made_by_the_outer", [False, True])
+@pytest.mark.parametrize("nest", [1, 2, 3])
+@pytest.mark.parametrize("transform", list(_FORWARD))
+def test_stored_input_beside_a_weight_that_requires_grad(transform, nest, made_by_the_outer, request):
+    """Under forward mode the Function's vjp level takes only what reverse mode differentiates (here
+    the weight, a module parameter): the stored input, unwrapped by apply and not by that level, was
+    not found, and the caller read it without its tangent (jvp gave 5.4 for plain's 14.4, found by a
+    hostile pass).  Nested regions: the inner one's input is the enclosing region's own tensor where
+    ``made_by_the_outer``."""
+    if transform.startswith("vmap") and nest > 1 and (made_by_the_outer or (nest == 3 and transform == "vmap_hessian")):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "nested regions under vmap of forward mode storing a tensor an enclosing region made (or three "
+            "deep): wrong tangent (made by the outer, two deep) or refused by name; docs/transform.md")))
+    w = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(8)).requires_grad_()
+
+    def build(wrap):
+        box: list = []
+
+        def f(x):
+            box.append(x)
+            return (x * w).sin()
+
+        fn = wrap(f)
+        for _ in range(nest - 1):
+            fn = (lambda inner: wrap(lambda x: inner(x * 1.0 if made_by_the_outer else x) * 1.0))(fn)
+        return lambda x: (fn(x) * box[-1].cos()).sum()
+
+    assert_tree_close(_FORWARD[transform](build(remat)), _FORWARD[transform](build(ident)), rtol=1e-10, atol=1e-10)
