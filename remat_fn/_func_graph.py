@@ -3,7 +3,7 @@
 The region's forward runs under a ``vjp`` level of its own (see
 :mod:`remat_fn._path_torch_func`).  Where backward can, it differentiates that
 level's graph instead of running the function again: what the graph saves is a
-handle of the hooks path's :class:`~remat_fn._path_hooks.Frame` (:class:`KeepHandles`),
+handle of the shared :class:`~remat_fn._frame.Frame` (:class:`KeepHandles`),
 which the tape replays below every functorch transform (:class:`Unpack`), so the
 function's Python runs once, as in eager mode.  The graph's outputs are private
 aliases whose memory the Function's outputs take (:func:`release_outputs`).

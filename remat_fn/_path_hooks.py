@@ -1,22 +1,20 @@
-"""The saved-tensor-hooks path: a region under plain (eager) autograd.
+"""The saved-tensor-hooks adapter: a region under plain (eager) autograd.
 
-During the forward, every tensor autograd wants to save is replaced by a small
-handle (:class:`_Handle`); nothing but the handle is kept.  The first time
-backward unpacks a handle of a region, the region is run again under
-``torch.enable_grad()`` with hooks that capture the re-saved tensors by
-position, stopping as soon as the last still-needed one has been rebuilt
-(early stop).  Each recomputed tensor is handed out once and dropped, so it is
-freed as soon as backward has consumed it; a second backward through a
-retained graph recomputes again.  Because the recomputation runs the real
-function on the real (non-detached) inputs, tensors the function closes over,
-``create_graph=True`` and higher-order derivatives need no special care.
+The forward runs under saved-tensor hooks that pack through a :class:`remat_fn._frame.Frame`
+(a handle per saved tensor, the forward recorded on a tape) and under the recording mode
+(:mod:`remat_fn._record`); backward unpacks the handles, which replay the part of the tape
+they need.  Where the region runs without a recorded forward (the strict checks,
+``debug=True`` and ``early_stop=False``, and forward-mode AD) :class:`HookFrame` runs the
+function again under ``torch.enable_grad()`` with hooks that capture the re-saved tensors by
+position, stopping as soon as the last still-needed one is rebuilt (unless strict), and checks
+them against the forward's.  A function that calls a ``torch.func`` transform (which refuses
+these hooks) moves to the ``torch.func`` adapter (:class:`NeedsTorchFuncPath`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from typing import Any
 
 import optree
@@ -29,8 +27,9 @@ from ._closures import reachable_tensors
 from ._debug import OpTrace, format_traces
 from ._describe import describe_meta
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_input
+from ._frame import Frame, finish_record, finish_tape, input_hooks
 from ._functorch import forward_mode_active, storage_ptr
-from ._offload import hooks_for_inputs, input_offloads, named_inputs, report_inputs, requesting, unaliased
+from ._offload import input_offloads, named_inputs, unaliased
 from ._ops import PLAIN
 from ._profile import storage_bytes, timer
 from ._record import Record, paused, saving
@@ -43,7 +42,7 @@ from ._torch_internals import push_hooks as _push_hooks
 from ._torch_internals import top_hooks as _top_hooks
 from ._torch_internals import version as version_of
 
-__all__ = ["run_with_hooks", "NeedsTorchFuncPath", "hooks_enabled", "Frame", "finish_tape"]
+__all__ = ["run_with_hooks", "NeedsTorchFuncPath", "hooks_enabled"]
 
 # False while saved-tensor hooks are switched off for the process (a failed
 # torch.compile can leave them so); the torch.func path needs none.
@@ -62,102 +61,13 @@ class NeedsTorchFuncPath(Exception):
 _HOOKS_REFUSED = "don't yet support saved tensor hooks"
 
 
-class _Handle:
-    __slots__ = ("idx", "__weakref__")
 
-    def __init__(self, idx: int):
-        self.idx = idx
+class HookFrame(Frame):
+    """The hooks path's frame: backward replays the recorded forward, or, where the region runs
+    without one (the strict checks, ``debug=True`` and ``early_stop=False``, and forward-mode AD),
+    runs the function again, its saved tensors captured by position and checked."""
 
-
-class _Direct:
-    """A saved input kept as it is, with its version, checked like autograd does."""
-
-    __slots__ = ("t", "version")
-
-    def __init__(self, t: torch.Tensor):
-        self.t = t
-        self.version = version_of(t)
-
-    def get(self, name: str) -> torch.Tensor:
-        t = self.t
-        if version_of(t) != self.version:
-            raise MutatedSavedTensorError(
-                f"The tensor {describe_meta(t.shape, t.dtype, t.device)} that remat({name}) saved for "
-                f"backward (an argument, a parameter or a value the policy saves) was modified in "
-                f"place after the forward "
-                f"(version {self.version} -> {version_of(t)}). Fix: clone it before modifying it "
-                "(x = x.clone()), or apply the in-place update (e.g. optimizer.step()) after "
-                "the backward pass."
-            )
-        return t
-
-
-def _DEAD():  # the weakref of a saved tensor that needs no recomputation
-    return None
-
-
-class Frame:
-    """One forward call of one region."""
-
-    __slots__ = (
-        "fun", "args", "kwargs", "name", "rng", "meta", "handles", "recomputed",
-        "debug", "fwd_trace", "reach", "stash", "rec", "autocast", "in_forward", "strict",
-        "input_ids", "outer", "nhandles", "saved_ptrs", "inner_backward", "prof", "prof_saved",
-        "offload_ids", "tape", "values", "run", "kept", "deps", "deferred", "consumed", "pos", "packed",
-    )
-
-    def __init__(self, fun, args, kwargs, name, debug):
-        self.fun = fun
-        self.args = args
-        self.kwargs = kwargs
-        self.name = name
-        self.rng: RNGSnapshot | None = None
-        self.meta: list[tuple] = []
-        self.handles: list[weakref.ref] = []
-        self.recomputed: dict[int, torch.Tensor] = {}
-        self.debug = debug
-        self.strict = debug  # run recomputations whole and check them completely
-        self.fwd_trace: list[str] | None = None
-        self.reach = None  # the tensors the function reaches (remat_fn._closures)
-        # When saved-tensor hooks are already active (an enclosing remat region,
-        # save_on_cpu, remat_fn.distributed), the region's tensor inputs are
-        # stored through them instead of being held here: an enclosing region
-        # can then drop and recompute them, save_on_cpu moves them, and so on.
-        self.stash = None
-        self.rec = None  # remat_fn._record.Record when a policy is in force
-        self.autocast = None  # AutocastState re-entered by a re-run (not on the tape path)
-        # True while the forward runs: a backward *inside* the region (the
-        # function calls torch.autograd.grad) unpacks handles of a forward
-        # that has not finished; those are recomputed one at a time.
-        self.in_forward = True
-        self.inner_backward = False  # set once a backward ran inside the forward
-        self.prof = None  # the remat_fn.profile() active at forward, if any
-        self.prof_saved: list | None = None  # (saved tensor, kept as is), while profiling
-        self.input_ids: set[int] = set()  # ids of the region's tensor arguments
-        self.outer = None  # the enclosing saved-tensor hooks, if any
-        self.nhandles = 0  # saved tensors that need recomputation
-        self.saved_ptrs: dict[int, int] = {}  # storages autograd saved -> bytes (see Record.prune)
-        self.offload_ids: dict = {}  # id of an input -> the Offload its policy decided for it
-        # The recorded forward (remat_fn._tape): backward replays it instead of
-        # running the function again.  None with debug checks or forward-mode AD,
-        # where the function itself runs again (and is checked).
-        self.tape = None
-        self.values: dict[int, Any] = {}  # handle index -> the tape Value it stands for
-        # handle index -> the tape's length when autograd saved it: backward reads the value
-        # as it was then (a later write reaches a copy, see Tape.replay)
-        self.pos: dict[int, int] = {}
-        # handle index -> the saved tensor's storage, until the forward ends (see settle_writes)
-        self.packed: dict[int, int] | None = {}
-        self.run: list[int] | None = None  # the nodes the forward's plan replays
-        self.kept: set[int] = set()  # ids of the kept Values the plan reads
-        self.deps: list = []  # writes (through views) into saved tensors after they were made
-        # offloads copied after the forward (Record.retain), not as autograd saves them: the
-        # torch.func path's forward level, whose hooks run inside a functorch transform
-        self.deferred = False
-        # handles unpacked in this backward pass (None: not tracked).  The torch.func path's
-        # graph is differentiated with retain_graph=True, so used handles stay alive: a
-        # replay rebuilds only the ones not unpacked yet (and the one asked for)
-        self.consumed: set[int] | None = None
+    __slots__ = ()
 
     def stash_inputs(self, hooks) -> None:
         pack, unpack = hooks
@@ -179,131 +89,6 @@ class Frame:
             leaves.append(v)
         return optree.tree_unflatten(spec, leaves)
 
-    # -- forward -------------------------------------------------------------
-    def pack(self, t: torch.Tensor) -> Any:
-        if self.tape is None:  # (checked by a re-run; the replay runs the recorded ops)
-            self.meta.append((t.shape, t.dtype, t.device, version_of(t)))
-        packed = self._pack(t)
-        if self.prof_saved is not None:
-            self.prof_saved.append((t, type(packed) is _Direct))
-        return packed
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        rec = self.rec
-        ptr = storage_ptr(t) if rec is not None else None
-        if ptr is not None:  # (a tensor without a storage, e.g. sparse, is never kept)
-            self.saved_ptrs[ptr] = nbytes = t.untyped_storage().nbytes()
-            if type(rec.policy) is Measuring:  # memory_budget's first call
-                rec.policy.note_saved(ptr, nbytes)
-            if ptr in rec.pending and not self.deferred:  # a value its policy offloads: copy it now
-                rec.commit(ptr)
-            if self.outer is None and self.tape is None and ptr in rec.kept_ptrs:
-                # the policy keeps it anyway: autograd holds it as is, so backward
-                # needs no recomputation for it (and keeps no extra copy).  Without
-                # its history: an op's output held by its own node through a hook
-                # is a reference cycle (node -> packed -> tensor -> node) that
-                # outlives a graph dropped without backward until gc runs.
-                self.handles.append(_DEAD)
-                return _Direct(t.detach() if t.grad_fn is not None else t)
-        # On the tape path a kept value is a handle too: a later checkpoint_name may
-        # still decide to recompute it, and the plan (after the forward) decides.
-        tape = self.tape
-        if tape is not None:
-            v = tape.value_of(t)
-            if v is None:
-                if id(t) not in self.input_ids or (self.outer is None and id(t) not in self.offload_ids):
-                    # from outside the region (a parameter, a buffer, a tensor it
-                    # closes over) or an input: alive anyway, kept as autograd keeps it
-                    self.handles.append(_DEAD)
-                    return _Direct(t)
-                v = tape.lookup(t)  # an input stored through hooks (see finish_tape)
-            w = tape.write_before(t)
-            if w is not None and w is not v:
-                self.deps.append(w)
-            h = _Handle(len(self.handles))
-            self.values[h.idx] = v
-            self.pos[h.idx] = len(tape.nodes)
-            if self.packed is not None:
-                self.packed[h.idx] = tape.key(t)
-            self.handles.append(weakref.ref(h))
-            self.nhandles += 1
-            return h
-        if self.outer is None and id(t) not in self.offload_ids and (
-                id(t) in self.input_ids or (t.is_leaf and t.requires_grad)):
-            # An input or a parameter is alive anyway: keep it as plain autograd
-            # does, so a backward that needs only such tensors recomputes
-            # nothing.  (Under enclosing hooks the region's inputs are stored
-            # through them and come back with the recomputation, as before.)
-            self.handles.append(_DEAD)
-            return _Direct(t)
-        h = _Handle(len(self.handles))
-        self.handles.append(weakref.ref(h))
-        self.nhandles += 1
-        return h
-
-    def unpack(self, h: Any) -> torch.Tensor:
-        if type(h) is _Direct:
-            return h.get(self.name)
-
-        t = self.recomputed.pop(h.idx, None)
-        if t is None:
-            if self.in_forward:
-                self.inner_backward = True
-            if self.tape is not None:
-                self.replay(h.idx if self.in_forward else None, h.idx)
-            else:
-                self.recompute(h.idx if self.in_forward else None)
-            t = self.recomputed.pop(h.idx)
-        if self.consumed is not None:
-            self.consumed.add(h.idx)
-        return t
-
-    # -- backward from the tape ------------------------------------------------
-    def replay(self, target: int | None, asked: int) -> None:
-        """Rebuild every still-needed saved tensor (or ``target``, for a backward inside
-        the forward) by replaying the part of the tape it depends on; ``asked``: the
-        handle being unpacked."""
-        if self.prof is not None:
-            with timer() as tm:
-                self._replay(target, asked)
-            self.prof.record_recompute(self.name, tm.seconds)
-        else:
-            self._replay(target, asked)
-
-    def _replay(self, target: int | None, asked: int) -> None:
-        tape, rec, values = self.tape, self.rec, self.values
-        if target is not None:  # inside the forward: nothing is final yet, recompute from outside
-            live = [target]
-            run, _, _ = tape.plan([values[target], *self.deps], lambda v: False)
-            pos = {target: len(tape.nodes)}
-        else:
-            used = self.consumed or ()
-            handles = self.handles
-            live = [i for i in values if handles[i]() is not None and (i not in used or i == asked)]
-            if len(live) == len(values):
-                run = self.run
-            else:
-                kept = self.kept
-                run, _, _ = tape.plan([*(values[i] for i in live), *self.deps], lambda v: id(v) in kept)
-            pos = self.pos
-        nodes = tape.nodes
-
-        def kept_value(v):
-            return rec.value(nodes[v.node].key, v.idx)
-
-        targets = [(values[i], pos[i]) for i in live]
-        if target is not None:
-            tape.paused += 1
-        try:
-            with rec.replaying() if rec is not None and target is None else _NULL:
-                got = tape.replay(run, targets, kept_value, self.name)
-        finally:
-            if target is not None:
-                tape.paused -= 1
-        for i, t in zip(live, got):
-            self.recomputed[i] = t
-
-    # -- backward ------------------------------------------------------------
     def recompute(self, target: int | None = None) -> None:
         """Rebuild every still-needed saved tensor (or only ``target``, for a
         backward that runs inside the forward) by running the region again."""
@@ -433,6 +218,7 @@ class Frame:
         raise RecomputeMismatchError(msg)
 
 
+
 def run_with_hooks(call: RegionCall) -> Any:
     """Run the region so that its saved tensors are recomputed in backward.
 
@@ -440,7 +226,7 @@ def run_with_hooks(call: RegionCall) -> Any:
     exactly the forward's tensors (``call.debug`` also compares op traces)."""
     fun, args, kwargs, name, debug = call.fun, call.args, call.kwargs, call.name, call.debug
     preserve_rng_state = call.opts.preserve_rng_state
-    frame = Frame(fun, args, kwargs, name, debug)
+    frame = HookFrame(fun, args, kwargs, name, debug)
     frame.strict = call.strict or debug
     prof = AMBIENT.profiles[-1] if AMBIENT.profiles else None  # (remat_fn.profile(), innermost)
     if prof is not None:
@@ -513,7 +299,7 @@ def run_with_hooks(call: RegionCall) -> Any:
         others = [x for x in leaves if not isinstance(x, torch.Tensor)]
         frame.reach = reachable_tensors((fun, others) if others else fun)
         offl = frame.offload_ids = unaliased(frame.offload_ids, tensors, out) if frame.offload_ids else {}
-        store = _input_hooks(outer, offl, frame.rec)
+        store = input_hooks(outer, offl, frame.rec)
         if store is not None:  # (the inputs come back with the recomputation)
             frame.stash_inputs(store)
         if outer is not None:
@@ -523,7 +309,7 @@ def run_with_hooks(call: RegionCall) -> Any:
         if frame.rec is not None:
             # keep no more than plain autograd would (see Record.prune)
             frame.rec.prune(frame.saved_ptrs)
-            _finish_record(frame.rec, tensors, offl, out, outer)
+            finish_record(frame.rec, tensors, offl, out, outer)
     else:
         frame.rec = None  # nothing will be recomputed: keep nothing
         frame.tape = None
@@ -548,85 +334,6 @@ def _input_tensors(args: tuple, kwargs: dict) -> tuple:
     leaves = optree.tree_leaves((args, kwargs), none_is_leaf=True)
     return leaves, [x for x in leaves if isinstance(x, torch.Tensor)]
 
-
-def finish_tape(frame: Frame, tensors, out, outer, full=None) -> None:
-    """After the forward: plan the replay from what autograd saved (JAX's rule: keep the
-    saveable values that backward or the replay reads, recompute the rest) and
-    let go of everything else.  ``full``: Values of the region's outputs: also keep what a
-    replay computing them from the inputs needs (see remat_fn._replay_live)."""
-    tape, rec = frame.tape, frame.rec
-    settle_writes(frame, tape)
-    # (a saved tensor whose graph node is gone, a dead branch's, needs nothing)
-    handles = frame.handles
-    roots = [*(v for i, v in frame.values.items() if handles[i]() is not None), *frame.deps]
-    run, used_kept, used_outside = tape.plan_kept(roots, rec)
-    every = None
-    if full is not None:
-        every = tape.plan([*roots, *full], lambda v: False)
-        used_outside = used_outside | every[2]
-    frame.run = run
-    frame.kept = {id(v) for v in used_kept}
-    offl = frame.offload_ids = unaliased(frame.offload_ids, tensors, out) if frame.offload_ids else {}
-    store = _input_hooks(outer, offl, rec)
-    if store is not None:
-        by_id: dict[int, list] = {}
-        for v in used_outside:
-            by_id.setdefault(id(v.t), []).append(v)
-        for x in tensors:  # in argument order
-            if outer is not None or id(x) in offl:
-                for v in by_id.pop(id(x), ()):
-                    v.store = (store[0](v.t), store[1])
-                    v.t = None
-    if rec is not None:
-        _finish_record(rec, tensors, offl, out, outer, tape, roots)
-    tape.release(used_outside)
-    tape.keep_only(run, used_kept, every and every[:2])
-    frame.fun = frame.args = frame.kwargs = None
-
-
-def settle_writes(frame: Frame, tape: Tape) -> None:
-    """After the forward: a saved tensor the region wrote after autograd saved it.  The op
-    being dispatched when autograd saved it may write it (``rrelu_with_noise`` saves
-    ``noise``, then fills it): backward reads the value after that write, as plain autograd
-    does; the replay runs it into the saved value.  A later write (``h.mul_(2)`` after
-    ``h.sin()`` saved ``h``) reaches a copy the replay takes before it: backward reads the
-    value as saved, as plain autograd under
-    ``torch.autograd.graph.allow_mutation_on_saved_tensors`` does (without it, it raises)."""
-    packed, frame.packed = frame.packed, None
-    for i, p in packed.items():
-        hit = tape.first_write(p, frame.pos[i]) if p else None
-        if hit is None or frame.handles[i]() is None:
-            continue
-        k, w = hit
-        frame.pos[i] = k + 1
-        frame.deps.append(w)
-
-
-def _input_hooks(outer, offl, rec):
-    """The hooks a region stores its inputs through, None to hold them as they are: the
-    enclosing ones (an enclosing region recomputes them, remat_fn.distributed keeps a
-    slice; asked to offload those the policy offloads), or the offloader's."""
-    if outer is not None:
-        return requesting(outer, offl, rec.offloader) if offl else outer
-    return hooks_for_inputs(offl, rec.offloader) if offl else None
-
-
-def _finish_record(rec: Record, tensors, offl, out, outer, tape=None, roots=()) -> None:
-    """After the forward, on either recompute path: memory_budget's first call plans
-    (on the tape when there is one), saved_residuals hears what is kept, and the kept
-    values go through the enclosing hooks or are sealed against later writes."""
-    rec.producer = {}
-    if isinstance(rec.policy, Measuring):
-        rec.policy.finish(tape=tape, roots=roots)
-    sink = AMBIENT.residuals  # (remat_fn.saved_residuals collecting)
-    if sink is not None:
-        for key, _, t, kind, nm in rec.kept():
-            sink.append((t, kind, nm, f"aten.{key[0].overloadpacket.__name__}"))
-        report_inputs(sink, tensors, offl)
-    if outer is not None and rec.entries:
-        rec.stash_through(outer)  # the enclosing hooks check versions
-    else:
-        rec.seal(optree.tree_leaves(out))
 
 
 def _report(frame: Frame, prof, start: float, inputs) -> None:

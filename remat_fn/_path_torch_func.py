@@ -52,6 +52,7 @@ from ._captures import Known, MissedCapture, nested_in_forward, note_region_inpu
 from ._closures import reachable_tensors
 from ._describe import describe
 from ._errors import RematError
+from ._frame import Frame, finish_tape
 from ._func_graph import (
     KeepHandles,
     Unpack,
@@ -106,7 +107,6 @@ from ._functorch import (
     vmaps_outermost,
 )
 from ._offload import FuncInputs, hint, input_offloads
-from ._path_hooks import Frame, finish_tape
 from ._profile import storage_bytes
 from ._record import Diverged, Record, recording_tapes, saving
 from ._region import RegionCall, region_depth
