@@ -219,12 +219,16 @@ class Frame:
         """Rebuild every still-needed saved tensor (or ``target``, for a backward inside
         the forward) by replaying the part of the tape it depends on; ``asked``: the
         handle being unpacked."""
-        if self.prof is not None:
-            with timer() as tm:
-                self._replay(target, asked)
-            self.prof.record_recompute(self.name, tm.seconds)
-        else:
-            self._replay(target, asked)
+        self.timed(self._replay, target, asked)
+
+    def timed(self, rebuild, *args) -> None:
+        """``rebuild(*args)``, its time reported to the active ``remat_fn.profile()``, if any."""
+        if self.prof is None:
+            rebuild(*args)
+            return
+        with timer() as tm:
+            rebuild(*args)
+        self.prof.record_recompute(self.name, tm.seconds)
 
     def _replay(self, target: int | None, asked: int) -> None:
         tape, rec, values = self.tape, self.rec, self.values

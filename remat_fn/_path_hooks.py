@@ -31,7 +31,7 @@ from ._frame import Frame, finish_record, finish_tape, input_hooks
 from ._functorch import forward_mode_active, storage_ptr
 from ._offload import input_offloads, named_inputs, unaliased
 from ._ops import PLAIN
-from ._profile import storage_bytes, timer
+from ._profile import storage_bytes
 from ._record import Record, paused, saving
 from ._region import RegionCall
 from ._rng_state import RNGSnapshot
@@ -102,12 +102,7 @@ class HookFrame(Frame):
             needed = [i for i, w in enumerate(handles) if i not in recomputed and w() is not None]
         if not needed:  # pragma: no cover - unpack only happens for live handles
             return
-        if self.prof is not None:
-            with timer() as tm:
-                self._recompute(target, needed)
-            self.prof.record_recompute(self.name, tm.seconds)
-        else:
-            self._recompute(target, needed)
+        self.timed(self._recompute, target, needed)
 
     def _recompute(self, target, needed) -> None:
         handles = self.handles
