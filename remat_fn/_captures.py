@@ -55,7 +55,7 @@ from ._torch_internals import (
 )
 from ._unseen import note_alias
 
-__all__ = ["CaptureMode", "Known", "MissedCapture", "first_run_of_nested", "nested_in_forward", "note_region_inputs",
+__all__ = ["CaptureMode", "Known", "MissedCapture", "first_run_of_nested", "nested_in_forward", "note_region_inputs", "refs_counted",
            "note_region_outputs", "reruns_as_plain", "substituted", "swap_view_of", "swap_side_output", "watched"]
 
 _NULL = contextlib.nullcontext()
@@ -90,6 +90,12 @@ def nested_in_forward() -> bool:
     """An enclosing region's forward is being recorded on the torch.func path (its
     side-output check will count the Python references to what this call keeps)."""
     return any(mode.made is not None for mode in AMBIENT.captures)
+
+
+def refs_counted() -> bool:
+    """An enclosing region counts the Python references to what this call keeps: its forward
+    (side outputs, inputs it stores) or its jvp rule's run again (inputs that run stores)."""
+    return any(mode.made is not None or mode.counts_inputs for mode in AMBIENT.captures)
 
 
 def watched(own: int) -> int:
@@ -282,6 +288,7 @@ class CaptureMode(TorchFunctionMode):
         self.opaque = False
         self.every = 0  # (see _leaves)
         self.plain_rerun = False  # (see reruns_as_plain)
+        self.counts_inputs = False  # a run again that looks for the inputs it stores (see refs_counted)
 
     def _fix(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):

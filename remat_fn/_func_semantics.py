@@ -532,7 +532,7 @@ class RegionState:
     def call(self, tensors, known: Known | None, stores: bool = False):
         """Run the region on ``tensors`` (inputs then captured replacements).  ``stores``: a
         recomputation whose stored inputs are kept as the forward's are (the jvp rule's run
-        again as plain code, under vmap of forward mode: its inputs are its own level's)."""
+        again: its inputs are its own level's, dead after it)."""
         n = self.n_in
         subst = {id(o): r for o, r in zip(self.captured, tensors[n:])}
         for i, k in self.aliases:
@@ -545,7 +545,7 @@ class RegionState:
             before = [_py_refs(t) for t in given]
             with self.reach.relocated({**subst, **places} if self.relocate else places), \
                     PrivateWrites(self.written, copies) if self.written else _NULL:
-                out = self._call(tensors, known, subst)
+                out = self._call(tensors, known, subst, stores)
             if stores:
                 self.held_inputs += _stored(given, before, out, counted=False)
             return out
@@ -568,7 +568,7 @@ class RegionState:
         self.held_inputs = _stored(given, before, out)
         return out
 
-    def _call(self, tensors, known, subst):
+    def _call(self, tensors, known, subst, stores: bool = False):
         n = self.n_in
         recompute = known is None
         if recompute:
@@ -586,6 +586,7 @@ class RegionState:
         # (side outputs no_grad made, see _leaves; in an enclosing region's forward, for its levels)
         mode.every = 0 if recompute else watched(2 if self.vmapped else 1 if self.fwd else 0)
         mode.plain_rerun = not recompute and reruns_as_plain(self.fwd and self.batched)
+        mode.counts_inputs = stores  # (a region nested in this run keeps aliases of its inputs, see refs_counted)
         with mode:
             try:
                 outs, rebuild = self.run(args)

@@ -48,7 +48,7 @@ import torch
 
 from ._ambient import AMBIENT
 from ._budget import Measuring
-from ._captures import Known, MissedCapture, nested_in_forward, note_region_inputs, note_region_outputs, substituted
+from ._captures import Known, MissedCapture, nested_in_forward, note_region_inputs, note_region_outputs, refs_counted, substituted
 from ._closures import reachable_tensors
 from ._describe import describe
 from ._errors import RematError
@@ -610,7 +610,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     off = spec.offload
     # (the recomputation reads private copies of the buffers the forward wrote)
     kept = off.kept_inputs(inputs) if off is not None else inputs
-    if nested_in_forward():  # (the enclosing forward's side-output check counts Python references)
+    if refs_counted():  # (an enclosing forward's side-output check, or run again's stored inputs, counts Python references)
         kept = [version_alias(t) for t in kept]
         call.drop_tensors()  # (backward runs the function on the Function's saved inputs)
     reach.record_versions(kept, skip=spec.written)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
-from remat_fn import RematError, remat
+from remat_fn import RematError, remat, remat_scan
 
 from ._util import assert_tree_close, ident
 
@@ -228,4 +228,52 @@ def test_stored_input_that_one_level_does_not_differentiate(transform, nest, sto
         return lambda x, y: (fn(x, y) * box[-1].cos()).sum() + (box[-1] * y).sum()
 
     assert_tree_close(_MIXED[transform](build(remat), X0, y0), _MIXED[transform](build(ident), X0, y0),
+                      rtol=1e-10, atol=1e-10)
+
+
+_DEEP = {
+    "jvp": lambda g: jvp(g, (X0,), (V0,)),
+    "jacfwd": lambda g: jacfwd(g)(X0),
+    "hessian": lambda g: hessian(g)(X0),
+    "jvp_of_grad": lambda g: jvp(grad(g), (X0,), (V0,)),
+    "grad_of_jvp": lambda g: grad(lambda x: jvp(g, (x,), (V0,))[1])(X0),
+    "vmap_jvp": lambda g: vmap(lambda x: jvp(g, (x,), (V0,)))(XB),
+}
+
+
+@pytest.mark.parametrize("transform", list(_DEEP))
+def test_four_nested_regions_that_store_nothing(transform):
+    """Where the jvp rule runs the function again it looks for the inputs that run stores; the
+    regions nested in that run keep aliases of their inputs, not the inputs (an intermediate state
+    of this change counted what they keep as stored, swapped it, and four regions deep the
+    enclosing run again saw an extra op: RecomputeMismatchError; found by a hostile pass)."""
+    w = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(5)).requires_grad_()
+
+    def build(wrap):
+        fn = wrap(lambda a: (a * w).sin())
+        for _ in range(3):
+            fn = (lambda inner: wrap(lambda b: inner(b) * b.cos()))(fn)
+        return lambda x: fn(x).sum()
+
+    assert_tree_close(_DEEP[transform](build(remat)), _DEEP[transform](build(ident)), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("checkpoints, length", [(1, 10), (2, 20), (3, 30)])
+def test_remat_scan_under_jvp(checkpoints, length):
+    """remat_scan nests its regions (the same false count as above raised for these schedules)."""
+    w = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(6))
+    xs = torch.randn(length, 3, dtype=D, generator=torch.Generator().manual_seed(7)) / 3
+    step = lambda c, x: (torch.tanh(c * w + x), (c * x).sum())
+
+    def scan(c0, wrap):
+        if wrap is ident:
+            ys = []
+            for x in xs:
+                c0, y = step(c0, x)
+                ys.append(y)
+            return c0.sum() + (torch.stack(ys) ** 2).sum()
+        c, ys = remat_scan(step, c0, xs, checkpoints=checkpoints)
+        return c.sum() + (ys ** 2).sum()
+
+    assert_tree_close(jvp(lambda c: scan(c, remat), (X0,), (V0,)), jvp(lambda c: scan(c, ident), (X0,), (V0,)),
                       rtol=1e-10, atol=1e-10)
