@@ -30,7 +30,7 @@ from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._frame import Frame, finish_record, finish_tape, input_hooks
 from ._functorch import forward_mode_active, storage_ptr
 from ._offload import input_offloads, named_inputs, unaliased
-from ._ops import PLAIN
+from ._ops import PLAIN, PrivateWrites
 from ._profile import storage_bytes
 from ._record import Record, paused, saving
 from ._region import RegionCall
@@ -67,7 +67,13 @@ class HookFrame(Frame):
     without one (the strict checks, ``debug=True`` and ``early_stop=False``, and forward-mode AD),
     runs the function again, its saved tensors captured by position and checked."""
 
-    __slots__ = ()
+    __slots__ = ("written",)
+
+    def __init__(self, fun, args, kwargs, name, debug):
+        super().__init__(fun, args, kwargs, name, debug)
+        # storages the forward wrote that it did not make -> their contents before (Tape.pre_write):
+        # a run again reads and writes private copies of them, as on the torch.func path
+        self.written: dict = {}
 
     def stash_inputs(self, hooks) -> None:
         pack, unpack = hooks
@@ -172,7 +178,8 @@ class HookFrame(Frame):
         _push_hooks(rpack, runpack)
         try:
             with torch.enable_grad(), self.autocast, relocated, saving(rec, recompute=True), \
-                    paused(self.rec if self.in_forward else None):
+                    paused(self.rec if self.in_forward else None), \
+                    PrivateWrites(self.written, {}) if self.written and not self.in_forward else _NULL:
                 if rng is not None:
                     rng.__enter__()
                 try:
@@ -277,6 +284,8 @@ def run_with_hooks(call: RegionCall) -> Any:
         frame.in_forward = False
         frame.rng = None
         frame.recomputed.clear()
+    if frame.tape is None:  # (a run again writes private copies of what the forward wrote: BatchNorm's statistics)
+        frame.written = undo.pre_write
     undo.written_storages, undo.pre_write = [], {}  # (only a try that failed puts them back)
     if frame.rec is not None:
         frame.rec.hint_outputs(optree.tree_leaves(out))

@@ -159,3 +159,45 @@ def test_debug_check_failing_inside_torch_is_a_named_error_and_the_region_works_
         run(lambda x, w: _nested3(x, w, _debug, False))
     assert_tree_close(run(lambda x, w: _nested3(x, w, remat, False)), run(lambda x, w: _nested3(x, w, ident, False)),
                       rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["debug", "early_stop_false", pytest.param("forward_ad", marks=pytest.mark.xfail(
+    strict=True, raises=RecomputeMismatchError, reason="eager forward-mode AD with a backward after it: the run again, "
+    "after the dual level has exited, saves other tensors than the forward under it (a loud refusal; found by a hostile pass)"))])
+@pytest.mark.parametrize("stats", ["closed_over", "module"])
+def test_eager_run_again_leaves_batchnorm_statistics_as_plain(mode, stats):
+    """Eager autograd where the region runs again in backward (the strict checks, forward-mode AD):
+    that run reads and writes private copies of what the forward wrote, as the torch.func path's
+    runs again do, so the running statistics (and ``num_batches_tracked``) are updated once
+    (updated a second time until this: running mean 0.73 for plain's 0.43; found by a hostile pass)."""
+    import torch.autograd.forward_ad as fwad
+    import torch.nn.functional as F
+
+    from remat_fn.compat import checkpoint
+
+    def run(wrap):
+        g = torch.Generator().manual_seed(7)
+        x, w = torch.randn(4, 3, dtype=D, generator=g), torch.randn(3, 3, dtype=D, generator=g)
+        w.requires_grad_()
+        if stats == "module":
+            bn = torch.nn.BatchNorm1d(3, momentum=0.3, dtype=D)
+            body = lambda x: torch.tanh(bn(x @ w))
+            buffers = lambda: [bn.running_mean, bn.running_var, bn.num_batches_tracked]
+        else:
+            rm, rv = torch.zeros(3, dtype=D), torch.ones(3, dtype=D)
+            body = lambda x: torch.tanh(F.batch_norm(x @ w, rm, rv, training=True, momentum=0.3))
+            buffers = lambda: [rm, rv]
+        fn = wrap(body)
+        x.requires_grad_()
+        if mode == "forward_ad":
+            with fwad.dual_level():
+                y, t = fwad.unpack_dual(fn(fwad.make_dual(x, torch.ones_like(x))))
+        else:
+            y, t = fn(x), None
+        y.sum().backward()
+        return [y.detach(), x.grad, w.grad, *([] if t is None else [t]), *buffers()]
+
+    wraps = {"debug": lambda f: remat(f, debug=True),
+             "early_stop_false": lambda f: (lambda x: checkpoint(f, x, use_reentrant=False, early_stop=False)),
+             "forward_ad": remat}
+    assert_tree_close(run(wraps[mode]), run(ident), rtol=1e-10, atol=1e-10)
