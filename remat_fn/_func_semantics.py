@@ -44,6 +44,7 @@ from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError
 from ._function_steps import plan_steps
 from ._functorch import (
     carries_grad,
+    differentiable,
     draws_batched,
     is_wrapped,
     needs_grad,
@@ -524,7 +525,7 @@ class RegionState:
         known.update(diff)
         args = replace_at(tensors, wrt, diff)
         for i, g in enumerate(self.given_ids):
-            if i not in wrt and id(t := args[i]) != g and (t.is_floating_point() or t.is_complex()):
+            if i not in wrt and id(t := args[i]) != g and differentiable(t):
                 args[i] = wrap_at_top(t)
                 known.add(args[i])
         return args
@@ -541,8 +542,9 @@ class RegionState:
             # buffers the forward wrote (BatchNorm's statistics) as private copies
             copies: dict = {}
             places = private_copies(self.reach.tensors.values(), self.written, copies)
-            given = [t if stores and is_wrapped(t) else None for t in tensors[:n]]
-            before = [_py_refs(t) for t in given]
+            if stores:
+                given = [t if is_wrapped(t) else None for t in tensors[:n]]
+                before = [_py_refs(t) for t in given]
             with self.reach.relocated({**subst, **places} if self.relocate else places), \
                     PrivateWrites(self.written, copies) if self.written else _NULL:
                 out = self._call(tensors, known, subst, stores)

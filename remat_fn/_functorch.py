@@ -21,7 +21,7 @@ __all__ = [
     "forward_mode_active", "forward_mode_at", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
     "requires_grad_anywhere", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
     "draws_batched", "batch_layers", "rebatch", "grad_on_top", "vmaps_outermost", "current_level", "grad_mode_at",
-    "wrap_at_top",
+    "wrap_at_top", "differentiable",
 ]
 
 C = functorch  # the C++ functorch bindings (checked in remat_fn._torch_internals)
@@ -87,7 +87,7 @@ def needs_grad(t: torch.Tensor, levels: dict | None = None) -> bool:
     ``levels``: the transforms (``level -> kind``, see :func:`live_levels`) active
     where the region was called; inside a custom ``autograd.Function``'s forward
     torch sets those levels aside, and their wrappers are judged by them."""
-    if not (t.is_floating_point() or t.is_complex()):
+    if not differentiable(t):
         return False
     t = unwrap_if_dead(t)  # left over from a transform that has exited
     if t.requires_grad:
@@ -144,12 +144,17 @@ def rebatch(t: torch.Tensor, layers) -> torch.Tensor:
     unpack hook returns, which a ``BatchedTensor`` refuses and a grad wrapper allows."""
     for level, bdim in layers:
         t = C._add_batch_dim(t, bdim, level)
-    return C._wrap_for_grad(t, C.get_interpreter_stack()[-1].level())
+    return wrap_at_top(t)
 
 
 def wrap_at_top(t: torch.Tensor) -> torch.Tensor:
     """``t`` wrapped at the innermost live transform, a grad level, without requiring grad there."""
     return C._wrap_for_grad(t, C.get_interpreter_stack()[-1].level())
+
+
+def differentiable(t: torch.Tensor) -> bool:
+    """A dtype autograd differentiates (floating or complex)."""
+    return t.is_floating_point() or t.is_complex()
 
 
 def grad_on_top() -> bool:

@@ -91,6 +91,7 @@ from ._function_steps import FunctionStep, plan_steps
 from ._functorch import (
     any_batched,
     carries_grad,
+    differentiable,
     differentiated_outside_vmaps,
     forward_mode_active,
     forward_mode_at,
@@ -121,10 +122,6 @@ _NULL = contextlib.nullcontext()
 # Each retry threads one more tensor closed over; real functions close over a
 # bounded number of them, so a long run of retries means a bug, not a model.
 _MAX_RETRIES = 256
-
-
-def _is_diff(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
 
 
 class _RematFunction(torch.autograd.Function):
@@ -188,12 +185,12 @@ class _RematFunction(torch.autograd.Function):
                         spec.roots = roots
                     else:  # (checked now: these nodes would hold the level's graph)
                         spec.foreign = spec.foreign or foreign_functions(roots, _RematFunction, tape.functions)
-                mask = [_is_diff(t) and carries_grad(t) for t in o]
+                mask = [differentiable(t) and carries_grad(t) for t in o]
                 # (forward mode around the call: an output made under no_grad has a tangent; in an enclosing
                 # region's forward, its tape must see a view of an input made under no_grad as a view, see rebuild)
                 if spec.fwd or nested_in_forward():
                     reach = forward_reached(tape, o, {id(unwrap_all(t)) for t in tensors})
-                    spec.fwd_diff = [m or (_is_diff(t) and r) for m, t, r in zip(mask, o, reach)]
+                    spec.fwd_diff = [m or (differentiable(t) and r) for m, t, r in zip(mask, o, reach)]
                 box.append((rb, mask, saved_storages(o) if keep and measure else noted,
                             pos, refs))
                 # vjp wants one output at least: a constant stands in (never read).  A kept
@@ -290,10 +287,10 @@ class _RematFunction(torch.autograd.Function):
             if tape is not None:
                 ptrs = {storage_ptr(t) for t in tensors} - {None}
                 reach = forward_reached(tape, outs, {id(unwrap_all(t)) for t in tensors})
-                mask = [_is_diff(o) and (r or storage_ptr(o) not in ptrs) for o, r in zip(outs, reach)]
+                mask = [differentiable(o) and (r or storage_ptr(o) not in ptrs) for o, r in zip(outs, reach)]
             spec.escaped = []
         spec.n_out = len(outs) - len(spec.escaped)
-        spec.diff = [_is_diff(o) for o in outs] if mask is None else mask
+        spec.diff = [differentiable(o) for o in outs] if mask is None else mask
         if spec.rec is not None and spec.frame is None:
             if spec.offload is not None:
                 spec.offload.hints = spec.rec.hint_outputs(outs)
@@ -337,7 +334,7 @@ class _RematFunction(torch.autograd.Function):
             # level, where the region's ops would be constants)
             return (None,) * len(ctx.needs_input_grad)
         tensors = saved_inputs(ctx, spec)
-        wrt = [i for i, t in enumerate(tensors) if ctx.needs_input_grad[i + 1] and _is_diff(t)]
+        wrt = [i for i, t in enumerate(tensors) if ctx.needs_input_grad[i + 1] and differentiable(t)]
         result: list[Any] = [None] * (len(tensors) + 1)
         if not wrt:
             return tuple(result)
@@ -375,7 +372,7 @@ class _RematFunction(torch.autograd.Function):
     def jvp(ctx, _spec_tangent, *tangents):
         spec: RegionState = ctx.spec
         tensors = saved_inputs(ctx, spec)
-        wrt = [i for i, (t, tt) in enumerate(zip(tensors, tangents)) if tt is not None and _is_diff(t)]
+        wrt = [i for i, (t, tt) in enumerate(zip(tensors, tangents)) if tt is not None and differentiable(t)]
         out_diff = ctx.fwd_diff
         if not any(out_diff):  # no output depends on the inputs differentiably
             return (None,) * len(out_diff)
@@ -545,7 +542,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             spec.frame.tape = spec.tape = Tape(func_path=spec.batched, copies=True)  # (batched: see draws_in_vmap below)
         spec.fwd = forward_mode_at(levels)  # (not stopped by no_grad: see forward_reached)
         # (and under no_grad, where the function may enable grad itself: its outputs tell, see mask)
-        spec.needs = [needs_grad(t) and _is_diff(t) for t in (*inputs, *closed)]
+        spec.needs = [needs_grad(t) and differentiable(t) for t in (*inputs, *closed)]
         # (the inputs reverse mode differentiates: under forward mode the others, which only a jvp level
         # wraps, stay out of the forward's vjp level, see forward)
         if spec.fwd:
@@ -623,7 +620,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     n = spec.n_out
     outs, side = list(outs[:n]), list(outs[n:])
     held = spec.escaped  # (the caller's objects: an enclosing region sees them made by this call too)
-    connect_side_outputs(spec, side, inputs)
+    if side or spec.held_inputs or spec.rerun_objs:
+        connect_side_outputs(spec, side, inputs)
     # (the caller's objects holding side outputs, read by a run again of this call or of an enclosing one)
     late = spec.side_late()
     first = (late, spec.nested_side) if late or spec.nested_side else None
