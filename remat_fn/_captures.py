@@ -56,7 +56,7 @@ from ._torch_internals import (
 from ._unseen import note_alias
 
 __all__ = ["CaptureMode", "Known", "MissedCapture", "first_run_of_nested", "nested_in_forward", "note_region_inputs", "refs_counted",
-           "note_region_outputs", "reruns_as_plain", "substituted", "swap_view_of", "swap_side_output", "watched"]
+           "note_region_outputs", "substituted", "swap_view_of", "swap_side_output", "watched"]
 
 _NULL = contextlib.nullcontext()
 
@@ -102,12 +102,6 @@ def watched(own: int) -> int:
     """What a forward watches for side outputs (``CaptureMode.every``, see ``_leaves``): ``own``,
     or what an enclosing region's forward watches (a side output of this call is one of its)."""
     return max([own, *(mode.every for mode in AMBIENT.captures if mode.made is not None)])
-
-
-def reruns_as_plain(own: bool) -> bool:
-    """``own`` (this call's jvp rule runs the function again as plain code, under vmap of forward
-    mode), or an enclosing region's does (``CaptureMode.plain_rerun``)."""
-    return own or any(mode.plain_rerun for mode in AMBIENT.captures if mode.made is not None)
 
 
 def swap_side_output(t: torch.Tensor, o: torch.Tensor) -> None:
@@ -287,7 +281,6 @@ class CaptureMode(TorchFunctionMode):
         # forward cannot tell from the tensor (no replay stands in for it, see _replay_live)
         self.opaque = False
         self.every = 0  # (see _leaves)
-        self.plain_rerun = False  # (see reruns_as_plain)
         self.counts_inputs = False  # a run again that looks for the inputs it stores (see refs_counted)
 
     def _fix(self, x: Any) -> Any:

@@ -36,7 +36,7 @@ import optree
 import torch
 
 from ._autocast import AutocastState
-from ._captures import CaptureMode, Known, first_run_of_nested, reruns_as_plain, swap_side_output, swap_view_of, watched
+from ._captures import CaptureMode, Known, first_run_of_nested, swap_side_output, swap_view_of, watched
 from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
 from ._describe import describe, describe_meta
@@ -431,7 +431,7 @@ class RegionState:
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
                  "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "batched", "replay", "widen",
                  "side_objs", "nested_side", "late_objs", "relocate", "check", "fwd", "fwd_diff", "aborted",
-                 "grad_left", "rev", "held_inputs", "rerun_objs", "given_ids")
+                 "grad_left", "rev", "held_inputs", "rerun_objs", "given_ids", "layers")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -446,6 +446,7 @@ class RegionState:
         self.escaped: list = []
         self.held_inputs: list = []  # (index, object, counted) of the inputs the function stored: see connect_side_outputs
         self.given_ids: list[int] = []  # ids of the inputs as the caller holds them (the Function's forward may see others)
+        self.layers = None  # under vmap of forward mode: the batch layers of the inputs and outputs
         self.rerun_objs: list = []  # what the jvp rule's run again left in the caller's objects, per side output
         self.side_objs: list = []  # (the caller's object, its (call index, position)) per side output
         self.nested_side: dict = {}  # the same for the regions nested in it (see CaptureMode's first)
@@ -553,10 +554,8 @@ class RegionState:
             return out
         # Inputs the function stores (``box.append(x)``) are found by their Python references: one more
         # after it than before (with subst's), less the outputs (see connect_side_outputs).  Wrappers of the
-        # Function's levels only: the tape holds the plain tensors it reads.  (Under vmap of forward mode
-        # the jvp rule runs the function again as plain code, on the caller's tensors, which it stores.)
-        watch = not reruns_as_plain(self.fwd and self.batched)
-        given = [t if watch and is_wrapped(t) else None for t in tensors[:n]]
+        # Function's levels only: the tape holds the plain tensors it reads.
+        given = [t if is_wrapped(t) else None for t in tensors[:n]]
         before = [_py_refs(t) for t in given]
         if not self.relocate:
             out = self._call(tensors, known, subst)
@@ -587,7 +586,6 @@ class RegionState:
         mode.levels = self.levels
         # (side outputs no_grad made, see _leaves; in an enclosing region's forward, for its levels)
         mode.every = 0 if recompute else watched(2 if self.vmapped else 1 if self.fwd else 0)
-        mode.plain_rerun = not recompute and reruns_as_plain(self.fwd and self.batched)
         mode.counts_inputs = stores  # (a region nested in this run keeps aliases of its inputs, see refs_counted)
         with mode:
             try:

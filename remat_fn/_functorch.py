@@ -21,7 +21,7 @@ __all__ = [
     "forward_mode_active", "forward_mode_at", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
     "requires_grad_anywhere", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
     "draws_batched", "batch_layers", "rebatch", "grad_on_top", "vmaps_outermost", "current_level", "grad_mode_at",
-    "wrap_at_top", "differentiable",
+    "wrap_at_top", "differentiable", "peel_vmaps", "to_physical", "from_physical",
 ]
 
 C = functorch  # the C++ functorch bindings (checked in remat_fn._torch_internals)
@@ -145,6 +145,75 @@ def rebatch(t: torch.Tensor, layers) -> torch.Tensor:
     for level, bdim in layers:
         t = C._add_batch_dim(t, bdim, level)
     return wrap_at_top(t)
+
+
+def peel_vmaps(t: torch.Tensor):
+    """``(plain tensor, [(level, bdim)] innermost first, [levels of the other wrappers above
+    them]``) for ``t`` (a tensor in a custom Function's jvp rule under ``vmap`` levels only, the
+    rule's own levels above them), or None where another level sits among or below the vmaps."""
+    top = []
+    while C.is_functorch_wrapped_tensor(t) and not C.is_batchedtensor(t):
+        top.append(C.maybe_get_level(t))
+        t = C.get_unwrapped(t)
+    layers = []
+    while C.is_functorch_wrapped_tensor(t):
+        if not C.is_batchedtensor(t):
+            return None
+        layers.append((C.maybe_get_level(t), C.maybe_get_bdim(t)))
+        t = C.get_unwrapped(t)
+    return t, layers[::-1], top
+
+
+def _labels(n: int, layers) -> list:
+    """The dims of a tensor below vmap wrappers ``layers`` (innermost first), named: ``k`` for
+    logical dim ``k`` (of ``n``), ``(level,)`` for a level's batch dim."""
+    names: list = list(range(n))
+    for level, bdim in reversed(layers):
+        names.insert(bdim, (level,))
+    return names
+
+
+def to_physical(t: torch.Tensor, layers, sizes: dict[int, int], extra: list[int]) -> torch.Tensor | None:
+    """``t`` (see :func:`peel_vmaps`) as the plain tensor a recorded forward batched at ``layers``
+    (``(level, bdim)`` innermost first, at live levels) read: their batch dims where ``layers``
+    puts them (expanded where ``t`` is not batched at one), then the batch dims of the levels
+    ``extra`` (ascending, above every level of ``layers``: ``t``'s other vmap levels, expanded
+    where ``t`` is not batched at one).  None where ``t`` has another level."""
+    got = peel_vmaps(t)
+    if got is None:
+        return None
+    x, have, _ = got
+    want = [level for level, _ in layers]
+    if any(level not in want and level not in extra for level, _ in have):
+        return None
+    n = x.dim() - len(have)
+    names = _labels(n, have)
+    missing = [level for level in (*want, *extra) if level not in {lv for lv, _ in have}]
+    for level in missing:
+        x = x.unsqueeze(-1)
+        names.append((level,))
+    target = [*_labels(n, layers), *((level,) for level in extra)]
+    x = x.permute([names.index(d) for d in target])
+    if missing:
+        x = x.expand([sizes[d[0]] if isinstance(d, tuple) and d[0] in missing else -1 for d in target])
+    if missing or target != names:
+        x = x.contiguous()
+    return x
+
+
+def from_physical(y: torch.Tensor, layers, n_logical: int, extra: list[int]) -> torch.Tensor | None:
+    """The inverse of :func:`to_physical` for a result ``y``: a plain tensor batched at ``layers``
+    (innermost first) of ``n_logical`` logical dims, then at ``extra`` (its last dims); wrapped at
+    ``layers`` and then at ``extra``.  None where ``y`` is not so."""
+    got = peel_vmaps(y)  # (below the wrappers of the rule's own levels)
+    if got is None or got[1] or got[0].dim() != n_logical + len(layers) + len(extra):
+        return None
+    y = got[0]
+    for level, bdim in layers:
+        y = C._add_batch_dim(y, bdim, level)
+    for k, level in enumerate(extra):
+        y = C._add_batch_dim(y, y.dim() - (len(extra) - k), level)
+    return y
 
 
 def wrap_at_top(t: torch.Tensor) -> torch.Tensor:

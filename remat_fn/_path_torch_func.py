@@ -90,6 +90,7 @@ from ._func_semantics import (
 from ._function_steps import FunctionStep, plan_steps
 from ._functorch import (
     any_batched,
+    batch_layers,
     carries_grad,
     differentiable,
     differentiated_outside_vmaps,
@@ -111,7 +112,7 @@ from ._offload import FuncInputs, hint, input_offloads
 from ._profile import storage_bytes
 from ._record import Diverged, Record, recording_tapes, saving
 from ._region import RegionCall, region_depth
-from ._replay_live import CannotReplay, forward_reached, output_value, replay_fn
+from ._replay_live import CannotReplay, forward_reached, output_value, replay_fn, replay_jvp
 from ._rng_state import RNGSnapshot
 from ._tape import Tape, Value
 from ._torch_internals import top_hooks, use_count
@@ -180,6 +181,8 @@ class _RematFunction(torch.autograd.Function):
                 o = o + tuple(r() for r in refs)
                 if (frame is not None or spec.replay) and not draws_in_vmap(spec, tape):  # (see remat_fn._replay_live)
                     spec.out_values = [output_value(tape, t) for t in o]
+                    if spec.batched and spec.fwd:  # (see replay_jvp: how the recorded ops batch them)
+                        spec.layers = ([batch_layers(t) for t in tensors], [batch_layers(t) for t in o])
                     roots = [t.grad_fn for t in o if isinstance(t, torch.Tensor) and t.grad_fn is not None]
                     if frame is not None and not spec.held_inputs:  # (checked if a replay is asked for: the graph is kept anyway)
                         spec.roots = roots
@@ -248,6 +251,7 @@ class _RematFunction(torch.autograd.Function):
             outs = outs[:n] + tuple(outs[n + k] for k in side)
             if spec.out_values is not None:
                 spec.out_values = spec.out_values[:n] + [spec.out_values[n + k] for k in side]
+                spec.layers = spec.layers and (spec.layers[0], spec.layers[1][:n] + [spec.layers[1][n + k] for k in side])
             mask = mask[:n] + [mask[n + k] for k in side]
             if spec.fwd_diff:
                 spec.fwd_diff = spec.fwd_diff[:n] + [spec.fwd_diff[n + k] for k in side]
@@ -376,12 +380,10 @@ class _RematFunction(torch.autograd.Function):
         out_diff = ctx.fwd_diff
         if not any(out_diff):  # no output depends on the inputs differentiably
             return (None,) * len(out_diff)
-
-        primals, tans = tuple(tensors[i] for i in wrt), tuple(tangents[i] for i in wrt)
         touts = None
-        if _replayable(spec):  # tangents pushed through the recorded forward
+        if _replayable(spec, spec.layers is not None):  # tangents pushed through the recorded forward
             try:
-                _, touts = torch.func.jvp(replay_fn(spec, tensors, wrt, out_diff, _run_span), primals, tans)
+                touts = replay_jvp(spec, tensors, tangents, wrt, out_diff, _run_span)
             except CannotReplay:
                 spec.out_values = None
         if touts is None:  # (inside apply: the caller's objects get views of the side outputs, see connect_side_outputs)
@@ -389,7 +391,7 @@ class _RematFunction(torch.autograd.Function):
             if spec.foreign == "autograd":  # (autograd called inside: under a vjp level, as the forward ran)
                 f = functools.partial(primal_under_vjp, f)
             with spec.rng or _NULL, spec.autocast:  # forward mode: recompute everything
-                _, touts = torch.func.jvp(f, primals, tans)
+                _, touts = torch.func.jvp(f, tuple(tensors[i] for i in wrt), tuple(tangents[i] for i in wrt))
         it = iter(touts)
         return tuple(next(it) if d else None for d in out_diff)
 
@@ -399,9 +401,10 @@ class _RematFunction(torch.autograd.Function):
 _RematFunction.forward.__signature__ = inspect.signature(_RematFunction.forward)  # type: ignore[attr-defined]
 
 
-def _replayable(spec: RegionState) -> bool:
-    """The recorded forward can stand in for the function (see remat_fn._replay_live)."""
-    if spec.out_values is None or spec.batched:  # (the tape holds the ops below the vmaps)
+def _replayable(spec: RegionState, batched: bool = False) -> bool:
+    """The recorded forward can stand in for the function (see remat_fn._replay_live); ``batched``:
+    on the batched tensors below the vmaps, as the tape holds them (the jvp rule)."""
+    if spec.out_values is None or (spec.batched and not batched):
         return False
     if spec.tape is not None and not all(spec.tape.functions.values()):  # (a custom Function no step stands for)
         return False

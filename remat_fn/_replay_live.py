@@ -40,13 +40,13 @@ import torch
 
 from ._func_semantics import replace_at
 from ._function_steps import FunctionStep, apply_step, plan_steps
-from ._functorch import unwrap_all
+from ._functorch import from_physical, peel_vmaps, to_physical, unwrap_all, vmap_sizes
 from ._ops import ALIASING, DETACH, arg_meta, no_autocast, reenter, run_recorded
 from ._tape import Value
 from ._torch_internals import DisableFuncTorch, TorchDispatchMode
 from ._unseen import unseen_alias
 
-__all__ = ["CannotReplay", "replay_outputs", "replay_fn", "output_value", "forward_reached", "INDEPENDENT"]
+__all__ = ["CannotReplay", "replay_outputs", "replay_fn", "replay_jvp", "output_value", "forward_reached", "INDEPENDENT"]
 
 _NULL = contextlib.nullcontext()
 
@@ -410,3 +410,68 @@ def replay_fn(spec, tensors, wrt, out_diff, region=None):
         return tuple(o for o, d in zip(outs, out_diff) if d)
 
     return f
+
+
+def replay_jvp(spec, tensors, tangents, wrt, out_diff, region=None) -> tuple:
+    """The Function's ``jvp`` rule: the tangents of its differentiable outputs (``out_diff``),
+    ``torch.func.jvp`` of :func:`replay_fn`.  Where ``vmap`` levels batch the region (``vmap(jvp)``,
+    ``vmap(jacfwd)``, ``vmap(hessian)``), the tape holds the ops as they ran on the batched
+    tensors below those levels, so the tangents are pushed through that recorded program on
+    those tensors (``torch.func.jvp`` of :func:`replay_fn`), each tangent laid out as its
+    primal was there, and the output tangents are batched again as the forward's outputs
+    were (``spec.layers``: the ``(level, bdim)`` of each input and output in the forward,
+    at the levels of the vmap rule torch generates for the Function, which stand for the
+    caller's vmap levels in order).  A tangent's own vmap levels (``jacfwd``'s basis) are
+    taken off too, and a ``torch.func.vmap`` of this rule's own maps the jvp over them (the
+    caller's levels below the rule's cannot take a new dual).  The function's Python does
+    not run again."""
+    if not spec.batched:
+        return torch.func.jvp(replay_fn(spec, tensors, wrt, out_diff, region), tuple(tensors[i] for i in wrt),
+                              tuple(tangents[i] for i in wrt))[1]
+    in_layers, out_layers = spec.layers
+    level_of: dict[int, int] = {}
+    phys, live = [], []
+    for t, lay in zip(tensors, in_layers):
+        got = peel_vmaps(t)
+        if got is None or len(got[1]) != len(lay):
+            raise CannotReplay("the jvp rule's inputs are not batched as the forward's were")
+        x, have, _ = got
+        for (level, bdim), (fresh, fbdim) in zip(have, lay):
+            if bdim != fbdim or level_of.setdefault(fresh, level) != level:
+                raise CannotReplay("the jvp rule's inputs are not batched as the forward's were")
+        phys.append(x)
+        live.append(have)
+    mine = set(level_of.values())
+    extra = sorted({lv for k in wrt for lv, _ in (peel_vmaps(tangents[k]) or (0, ()))[1]} - mine)
+    if extra and mine and extra[0] < max(mine):
+        raise CannotReplay("a tangent is batched at a level inside the primals' levels")
+    sizes = dict(vmap_sizes())
+    tans = []
+    for k in wrt:
+        x = to_physical(tangents[k], live[k], sizes, extra)
+        if x is None:
+            raise CannotReplay("a tangent cannot be laid out as its primal")
+        tans.append(x.movedim(tuple(range(x.dim() - len(extra), x.dim())), tuple(range(len(extra)))))
+    for k in wrt:  # (a dual of a tensor whose elements share memory (an expanded batch) is refused: its copy)
+        if any(st == 0 and n > 1 for st, n in zip(phys[k].stride(), phys[k].shape)):
+            phys[k] = phys[k].contiguous()
+    f = replay_fn(spec, phys, wrt, out_diff, region)
+    primals = tuple(phys[k] for k in wrt)
+
+    def push(*tans):
+        return torch.func.jvp(f, primals, tans)[1]
+
+    for _ in extra:
+        push = torch.func.vmap(push)
+    touts = push(*tans)
+    out = []
+    for y, lay, meta in zip(touts, (lay for lay, d in zip(out_layers, out_diff) if d),
+                            (m for m, d in zip(spec.out_meta, out_diff) if d)):
+        if any(fresh not in level_of for fresh, _ in lay):
+            raise CannotReplay("an output is batched at a level no input is")
+        y = y.movedim(tuple(range(len(extra))), tuple(range(y.dim() - len(extra), y.dim())))
+        t = from_physical(y, [(level_of[fresh], bdim) for fresh, bdim in lay], len(meta[0]), extra)
+        if t is None:
+            raise CannotReplay("an output tangent is not batched as its output")
+        out.append(t)
+    return tuple(out)

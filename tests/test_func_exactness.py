@@ -690,12 +690,6 @@ def test_side_output_made_under_no_grad(case, transform):
     run = _SIDE_TRANSFORMS[transform]
     if case == "inference_mode" and transform not in ("jvp", "jacfwd"):
         pytest.skip("plain code refuses an inference tensor autograd saves")
-    if case == "nested" and transform == "vmap_of_jvp":
-        # (open: forward mode under vmap runs the enclosing region again, the nested one as plain
-        # code, which cannot hand its side output back: refused by name, not a wrong result)
-        with pytest.raises(RecomputeMismatchError, match="side channel"):
-            run(prog(remat), x)
-        return
     assert_tree_close(run(prog(remat), x), run(prog(ident), x), rtol=1e-12, atol=1e-12)
 
 

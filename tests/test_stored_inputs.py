@@ -177,10 +177,10 @@ def test_stored_input_beside_a_weight_that_requires_grad(transform, nest, made_b
     not found, and the caller read it without its tangent (jvp gave 5.4 for plain's 14.4, found by a
     hostile pass).  Nested regions: the inner one's input is the enclosing region's own tensor where
     ``made_by_the_outer``."""
-    if transform.startswith("vmap") and nest > 1 and (made_by_the_outer or (nest == 3 and transform == "vmap_hessian")):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "nested regions under vmap of forward mode storing a tensor an enclosing region made (or three "
-            "deep): wrong tangent (made by the outer, two deep) or refused by name; docs/transform.md")))
+    if nest == 3 and transform == "vmap_hessian":
+        request.applymarker(pytest.mark.xfail(strict=True, raises=RematError, reason=(
+            "three nested regions under vmap(hessian): backward runs the function again, refused by name; "
+            "docs/transform.md")))
     w = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(8)).requires_grad_()
 
     def build(wrap):
