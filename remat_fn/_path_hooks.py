@@ -19,6 +19,7 @@ from typing import Any
 
 import optree
 import torch
+import torch.autograd.forward_ad as fwad
 
 from ._ambient import AMBIENT
 from ._autocast import AutocastState
@@ -36,7 +37,7 @@ from ._record import Record, paused, saving
 from ._region import RegionCall
 from ._rng_state import RNGSnapshot
 from ._tape import Tape
-from ._torch_internals import hooks_enabled
+from ._torch_internals import forward_ad_level, hooks_enabled
 from ._torch_internals import pop_hooks as _pop_hooks
 from ._torch_internals import push_hooks as _push_hooks
 from ._torch_internals import top_hooks as _top_hooks
@@ -62,18 +63,28 @@ _HOOKS_REFUSED = "don't yet support saved tensor hooks"
 
 
 
+def _duals(tree, tangents: list):
+    """``tree``'s tensors made duals of the current dual level with ``tangents`` (one per leaf)."""
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+    leaves = [fwad.make_dual(x, t) if t is not None else x for x, t in zip(leaves, tangents)]
+    return optree.tree_unflatten(spec, leaves)
+
+
 class HookFrame(Frame):
     """The hooks path's frame: backward replays the recorded forward, or, where the region runs
     without one (the strict checks, ``debug=True`` and ``early_stop=False``, and forward-mode AD),
     runs the function again, its saved tensors captured by position and checked."""
 
-    __slots__ = ("written",)
+    __slots__ = ("written", "dual", "own_dual")
 
     def __init__(self, fun, args, kwargs, name, debug):
         super().__init__(fun, args, kwargs, name, debug)
         # storages the forward wrote that it did not make -> their contents before (Tape.pre_write):
         # a run again reads and writes private copies of them, as on the torch.func path
         self.written: dict = {}
+        # the forward ran under an eager dual level (torch.autograd.forward_ad): the arguments' tangents
+        self.dual: list | None = None
+        self.own_dual = False  # a run again under a dual level of its own (that one exited)
 
     def stash_inputs(self, hooks) -> None:
         pack, unpack = hooks
@@ -171,17 +182,21 @@ class HookFrame(Frame):
         trace = None
         rng = self.rng
         args, kwargs = self.inputs()
+        self.own_dual = self.dual is not None and forward_ad_level() < 0  # (that level exited: one of its own)
+        dual = fwad.dual_level() if self.own_dual else _NULL
         # Inside the forward the policy's record is incomplete: recompute
         # everything, and keep the forward's own policy mode out of it.
         rec = None if self.in_forward else self.rec
         relocated = self.reach.relocated() if self.reach is not None else _NULL
         _push_hooks(rpack, runpack)
         try:
-            with torch.enable_grad(), self.autocast, relocated, saving(rec, recompute=True), \
+            with dual, torch.enable_grad(), self.autocast, relocated, saving(rec, recompute=True), \
                     paused(self.rec if self.in_forward else None), \
                     PrivateWrites(self.written, {}) if self.written and not self.in_forward else _NULL:
                 if rng is not None:
                     rng.__enter__()
+                if dual is not _NULL:
+                    args, kwargs = _duals((args, kwargs), self.dual)
                 try:
                     if self.debug:
                         with OpTrace() as trace:
@@ -207,6 +222,14 @@ class HookFrame(Frame):
                 self._mismatch("the recomputation ran a different sequence of ops", trace)
 
     def _mismatch(self, what: str, trace=None):
+        if self.own_dual:
+            raise RematError(
+                f"remat({self.name}): the forward ran under forward-mode AD (torch.autograd.forward_ad."
+                "dual_level) and backward runs after that dual_level exited: the run again in backward, "
+                "under a dual level of its own with the arguments' tangents, did not save what the forward "
+                f"saved ({what}; a tensor it closes over carrying a tangent has none there). Fix: pass such "
+                "tensors as arguments, call backward inside the dual_level block, or use torch.func.jvp "
+                "and torch.func.grad, which remat replays.")
         msg = (
             f"Recomputing remat({self.name}) did not reproduce the forward: {what}. The region "
             "must run the same ops on tensors of the same shapes each time: make control flow "
@@ -238,6 +261,9 @@ def run_with_hooks(call: RegionCall) -> Any:
     leaves, tensors = _input_tensors(args, kwargs)
     frame.input_ids = {id(x) for x in tensors}
     fwd_mode = forward_mode_active()
+    if forward_ad_level() >= 0:
+        frame.dual = [fwad.unpack_dual(x).tangent if isinstance(x, torch.Tensor) else None
+                      for x in optree.tree_leaves((args, kwargs), none_is_leaf=True)]
     if not frame.strict and not fwd_mode:
         # backward replays the recorded ops (random ones from the generator states
         # recorded with them): no snapshot of the whole region needed, and the tape

@@ -161,9 +161,7 @@ def test_debug_check_failing_inside_torch_is_a_named_error_and_the_region_works_
                       rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("mode", ["debug", "early_stop_false", pytest.param("forward_ad", marks=pytest.mark.xfail(
-    strict=True, raises=RecomputeMismatchError, reason="eager forward-mode AD with a backward after it: the run again, "
-    "after the dual level has exited, saves other tensors than the forward under it (a loud refusal; found by a hostile pass)"))])
+@pytest.mark.parametrize("mode", ["debug", "early_stop_false", "forward_ad"])
 @pytest.mark.parametrize("stats", ["closed_over", "module"])
 def test_eager_run_again_leaves_batchnorm_statistics_as_plain(mode, stats):
     """Eager autograd where the region runs again in backward (the strict checks, forward-mode AD):
@@ -201,3 +199,43 @@ def test_eager_run_again_leaves_batchnorm_statistics_as_plain(mode, stats):
              "early_stop_false": lambda f: (lambda x: checkpoint(f, x, use_reentrant=False, early_stop=False)),
              "forward_ad": remat}
     assert_tree_close(run(wraps[mode]), run(ident), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("through", ["tangent", "primal"])
+@pytest.mark.parametrize("inside", [True, False])
+def test_eager_forward_ad_then_backward(through, inside):
+    """Eager forward-mode AD (``torch.autograd.forward_ad``) and then reverse mode, through the
+    tangent or the primal, inside the ``dual_level`` block or after it.  The run again in backward
+    saves what the tangent's ops saved only under a dual level: after the block it runs under one of
+    its own with the arguments' tangents (a ``RecomputeMismatchError`` blaming control flow until
+    this; ``torch.utils.checkpoint`` raises ``CheckpointError`` there)."""
+    import torch.autograd.forward_ad as fwad
+
+    def run(wrap):
+        g = torch.Generator().manual_seed(7)
+        x0, v, w0 = (torch.randn(*s, dtype=D, generator=g) for s in ((4, 3), (4, 3), (3, 3)))
+        w, x = w0.clone().requires_grad_(), x0.clone().requires_grad_()
+        fn = wrap(lambda x: torch.tanh(x @ w) * x.sin())
+        with fwad.dual_level():
+            p, t = fwad.unpack_dual(fn(fwad.make_dual(x, v)).sum())
+            if inside:
+                return [p, t, *torch.autograd.grad(t if through == "tangent" else p, (x, w))]
+        return [p, t, *torch.autograd.grad(t if through == "tangent" else p, (x, w))]
+
+    assert_tree_close(run(remat), run(ident), rtol=1e-10, atol=1e-10)
+
+
+def test_eager_forward_ad_closed_over_dual_after_the_level_is_refused_by_name():
+    """A tensor the region closes over that carries a tangent: the run again after the dual level
+    exited has no tangent for it, and says so (the fix: pass it as an argument)."""
+    import torch.autograd.forward_ad as fwad
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 3, dtype=D, generator=g).requires_grad_()
+    w = torch.randn(3, 3, dtype=D, generator=g).requires_grad_()
+    with fwad.dual_level():
+        wd = fwad.make_dual(w, torch.ones_like(w))
+        fn = remat(lambda x: torch.tanh(x @ wd) * x.sin())
+        p, t = fwad.unpack_dual(fn(x).sum())
+    with pytest.raises(RematError, match="pass such tensors as arguments"):
+        torch.autograd.grad(t, (x, w))
