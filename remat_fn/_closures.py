@@ -33,6 +33,12 @@ _SKIP_MODULE_PREFIXES = ("torch", "optree", "remat_fn", "numpy", "builtins", "fu
 _MAX_DEPTH = 6
 
 
+def _code(v: Any) -> bool:
+    """A function, or a library's wrapper around one (a remat wrapper): see ``visit``."""
+    return isinstance(v, (types.FunctionType, functools.partial)) or (
+        not isinstance(v, torch.nn.Module) and "__wrapped__" in (getattr(v, "__dict__", None) or ()))
+
+
 def _user_function(fn: Any) -> bool:
     mod = getattr(fn, "__module__", None) or ""
     return not mod.startswith(_SKIP_MODULE_PREFIXES)
@@ -270,9 +276,11 @@ def reachable_tensors(fn: Any) -> Reachable:
         if isinstance(obj, types.FunctionType):
             # A decorated function (functools.wraps, another remat) reaches
             # what the function it wraps reaches, whatever module defined it.
+            # (the depth bounds a walk through data; a chain of functions and the wrappers around them,
+            # nested regions closing over each other, is code, each object visited once: not counted)
             wrapped = getattr(obj, "__wrapped__", None)
             if wrapped is not None:
-                visit(wrapped, depth + 1)
+                visit(wrapped, depth)
             if not _user_function(obj):
                 return
             for var, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
@@ -280,7 +288,7 @@ def reachable_tensors(fn: Any) -> Reachable:
                     v = cell.cell_contents
                 except ValueError:  # empty cell
                     continue
-                visit(v, depth + 1, cell, None, var)
+                visit(v, depth if _code(v) else depth + 1, cell, None, var)
             for d in obj.__defaults__ or ():
                 visit(d, depth + 1)
             for d in (obj.__kwdefaults__ or {}).values():
@@ -301,7 +309,7 @@ def reachable_tensors(fn: Any) -> Reachable:
         if not _user_function(type(obj)):
             # a library's wrapper object (a remat wrapper) reaches what it wraps
             if isinstance(d, dict) and "__wrapped__" in d:
-                visit(d["__wrapped__"], depth + 1)
+                visit(d["__wrapped__"], depth)
             return
         if isinstance(d, dict):
             for k, v in d.items():
