@@ -150,9 +150,14 @@ def rebatch(t: torch.Tensor, layers) -> torch.Tensor:
 def peel_vmaps(t: torch.Tensor):
     """``(plain tensor, [(level, bdim)] innermost first, [levels of the other wrappers above
     them]``) for ``t`` (a tensor in a custom Function's jvp rule under ``vmap`` levels only, the
-    rule's own levels above them), or None where another level sits among or below the vmaps."""
+    rule's own level above them: the innermost active one, or one above it), or None where
+    another level wraps it (a ``grad`` between the vmaps and the jvp, which the replay on the
+    plain tensors would cut off: ``vmap(grad(jvp))``)."""
     top = []
+    own = current_level()
     while C.is_functorch_wrapped_tensor(t) and not C.is_batchedtensor(t):
+        if C.maybe_get_level(t) < own:
+            return None
         top.append(C.maybe_get_level(t))
         t = C.get_unwrapped(t)
     layers = []

@@ -175,9 +175,9 @@ class _RematFunction(torch.autograd.Function):
                     o, rb = spec.call(spec.level_args(tensors, wrt, diff, known), known)
                 # side outputs: candidates now (a tensor the graph saved is alive
                 # too), confirmed once the level's graph is gone (below)
-                pos = [p for p, _ in spec.escaped]
-                refs = [weakref.ref(t) for _, t in spec.escaped]
-                spec.escaped = []
+                cands = [(p, weakref.ref(t)) for p, t in spec.escaped]
+                spec.escaped = []  # (a candidate nothing else held died here: no side output)
+                pos, refs = [list(x) for x in zip(*[c for c in cands if c[1]() is not None])] or ([], [])
                 o = o + tuple(r() for r in refs)
                 if (frame is not None or spec.replay) and not draws_in_vmap(spec, tape):  # (see remat_fn._replay_live)
                     spec.out_values = [output_value(tape, t) for t in o]
