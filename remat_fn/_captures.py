@@ -79,10 +79,11 @@ def substituted(tensors: list) -> list:
     function: without this, a nested region given a tensor its enclosing region closes
     over (a weight passed on to it) would get the caller's object, which the enclosing
     region's recomputation does not differentiate."""
+    done = [False] * len(tensors)  # (replaced by an inner mode: its value, not the outer ones' to replace)
     for mode in reversed(AMBIENT.captures):
-        subst = mode.subst
-        if subst or mode.levels is not None:
-            tensors = [mode._fix(t) if id(t) in subst else mode._set_aside(t) for t in tensors]
+        if mode.subst or mode.levels is not None:
+            was, done = done, [d or id(t) in mode.subst for t, d in zip(tensors, done)]
+            tensors = [mode._fix(t) if d and not w else mode._set_aside(t) for t, d, w in zip(tensors, done, was)]
     return tensors
 
 
@@ -286,7 +287,7 @@ class CaptureMode(TorchFunctionMode):
     def _fix(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             r = self.subst.get(id(x))
-            if r is not None:
+            if r is not None and not self._replaced_inside(x):
                 self.hits.add(id(x))
                 return r
             known = self.known
@@ -310,6 +311,15 @@ class CaptureMode(TorchFunctionMode):
         if tx is dict:
             return {k: self._fix(v) for k, v in x.items()}
         return x
+
+    def _replaced_inside(self, x: torch.Tensor) -> bool:
+        """``x``, a tensor this region replaces, is the replacement a region nested in its forward (whose
+        mode saw the op first) made of it, the same object (its Function's forward sees its input
+        unwrapped): that region's value, not this one's (a level's wrapper in its run again: refused)."""
+        for mode in reversed(AMBIENT.captures):
+            if mode is self or any(v is x for v in mode.subst.values()):
+                return mode is not self
+        return False
 
     def _set_aside(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` given to a region nested in this one's forward (see :func:`substituted`): a

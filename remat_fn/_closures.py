@@ -119,8 +119,11 @@ class Reachable:
         (a weight wrapped at a vjp level that is gone, replaced by an enclosing region's re-run)."""
         def live(t):
             return needs_grad(t) or any_batched(t)
-        return [t for i, t in self.tensors.items()
-                if i not in exclude and (live(t) or (substitute is not None and live(substitute([t])[0])))]
+        # (each tensor's own flags: an enclosing region's CaptureMode answers a metadata read of a
+        # tensor it replaces with its replacement's, which a level may not differentiate)
+        with DisableTorchFunction():
+            return [t for i, t in self.tensors.items()
+                    if i not in exclude and (live(t) or (substitute is not None and live(substitute([t])[0])))]
 
     def relocated(self, replace: dict | None = None):
         """Context manager putting every tensor back where it was found (or, for the
