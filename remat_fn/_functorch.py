@@ -178,16 +178,13 @@ def _labels(n: int, layers) -> list:
     return names
 
 
-def to_physical(t: torch.Tensor, layers, sizes: dict[int, int], extra: list[int]) -> torch.Tensor | None:
-    """``t`` (see :func:`peel_vmaps`) as the plain tensor a recorded forward batched at ``layers``
-    (``(level, bdim)`` innermost first, at live levels) read: their batch dims where ``layers``
-    puts them (expanded where ``t`` is not batched at one), then the batch dims of the levels
-    ``extra`` (ascending, above every level of ``layers``: ``t``'s other vmap levels, expanded
-    where ``t`` is not batched at one).  None where ``t`` has another level."""
-    got = peel_vmaps(t)
-    if got is None:
-        return None
-    x, have, _ = got
+def to_physical(peeled, layers, sizes: dict[int, int], extra: list[int]) -> torch.Tensor | None:
+    """A tensor (``peeled``: what :func:`peel_vmaps` made of it) as the plain tensor a recorded forward
+    batched at ``layers`` (``(level, bdim)`` innermost first, at live levels) read: their batch dims
+    where ``layers`` puts them (expanded where it is not batched at one), then the batch dims of the
+    levels ``extra`` (ascending, above every level of ``layers``: its other vmap levels, expanded
+    where it is not batched at one).  None where it has another level."""
+    x, have, _ = peeled
     want = [level for level, _ in layers]
     if any(level not in want and level not in extra for level, _ in have):
         return None

@@ -261,9 +261,8 @@ def run_with_hooks(call: RegionCall) -> Any:
     leaves, tensors = _input_tensors(args, kwargs)
     frame.input_ids = {id(x) for x in tensors}
     fwd_mode = forward_mode_active()
-    if forward_ad_level() >= 0:
-        frame.dual = [fwad.unpack_dual(x).tangent if isinstance(x, torch.Tensor) else None
-                      for x in optree.tree_leaves((args, kwargs), none_is_leaf=True)]
+    if forward_ad_level() >= 0:  # (the leaves as stash_inputs and _duals flatten them)
+        frame.dual = [fwad.unpack_dual(x).tangent if isinstance(x, torch.Tensor) else None for x in leaves]
     if not frame.strict and not fwd_mode:
         # backward replays the recorded ops (random ones from the generator states
         # recorded with them): no snapshot of the whole region needed, and the tape

@@ -441,14 +441,17 @@ def replay_jvp(spec, tensors, tangents, wrt, out_diff, region=None) -> tuple:
                 raise CannotReplay("the jvp rule's inputs are not batched as the forward's were")
         phys.append(x)
         live.append(have)
+    peeled = {k: peel_vmaps(tangents[k]) for k in wrt}
+    if any(p is None for p in peeled.values()):
+        raise CannotReplay("a tangent is wrapped at another level")
     mine = set(level_of.values())
-    extra = sorted({lv for k in wrt for lv, _ in (peel_vmaps(tangents[k]) or (0, ()))[1]} - mine)
+    extra = sorted({lv for p in peeled.values() for lv, _ in p[1]} - mine)
     if extra and mine and extra[0] < max(mine):
         raise CannotReplay("a tangent is batched at a level inside the primals' levels")
     sizes = dict(vmap_sizes())
     tans = []
     for k in wrt:
-        x = to_physical(tangents[k], live[k], sizes, extra)
+        x = to_physical(peeled[k], live[k], sizes, extra)
         if x is None:
             raise CannotReplay("a tangent cannot be laid out as its primal")
         tans.append(x.movedim(tuple(range(x.dim() - len(extra), x.dim())), tuple(range(len(extra)))))
