@@ -5,12 +5,10 @@ inputs are fixed when it is applied.  A tensor the function closes over (see
 :mod:`remat_fn._closures`) is not an input, so without care its gradient is
 silently dropped.  The path passes the ones that need a gradient as extra
 inputs, and :class:`CaptureMode` (a ``TorchFunctionMode`` keyed by object
-identity) substitutes them, during forward and recomputation, by the tensors
-the ``autograd.Function`` actually received.  As a safety net it stops the
-forward as soon as an op touches a gradient-carrying tensor that is neither an
-input, a captured tensor nor produced inside the region
-(:class:`MissedCapture`), so the caller can thread it and run again.  Nothing
-is ever silently dropped.
+identity) substitutes them by the tensors the ``autograd.Function`` received.
+It stops the forward as soon as an op touches a gradient-carrying tensor that
+is neither an input, a captured tensor nor made inside the region
+(:class:`MissedCapture`), so the caller can thread it and run again.
 """
 
 from __future__ import annotations
@@ -44,6 +42,7 @@ from ._functorch import (
     unwrap_all,
     unwrap_one,
 )
+from ._ops import untracked_stats
 from ._record import recording_tapes
 from ._region import as_caller, region_depth
 from ._torch_internals import (
@@ -282,6 +281,7 @@ class CaptureMode(TorchFunctionMode):
         # forward cannot tell from the tensor (no replay stands in for it, see _replay_live)
         self.opaque = False
         self.every = 0  # (see _leaves)
+        self.fwd_only: set[int] = set()  # (see untracked_stats)
         self.counts_inputs = False  # a run again that looks for the inputs it stores (see refs_counted)
 
     def _fix(self, x: Any) -> Any:
@@ -512,6 +512,8 @@ class CaptureMode(TorchFunctionMode):
                                            and transforms_active())) and not _carry_grad(args, kwargs):
                 out = _write_below(func, a0, args, kwargs)
         if out is None:
+            if self.fwd_only:
+                args, kwargs = untracked_stats(func, args, kwargs, self.fwd_only)
             grad = AMBIENT.call_grad
             # (what the tape records, see call_grad_mode: inside a torch.func transform the function
             # calls, the mode its ops reach the region's level with)

@@ -430,7 +430,7 @@ class RegionState:
                  "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
                  "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "batched", "replay", "widen",
-                 "side_objs", "nested_side", "late_objs", "relocate", "check", "fwd", "fwd_diff", "aborted",
+                 "side_objs", "nested_side", "late_objs", "relocate", "check", "fwd", "fwd_only", "fwd_diff", "aborted",
                  "grad_left", "rev", "held_inputs", "rerun_objs", "given_ids", "layers")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
@@ -460,6 +460,7 @@ class RegionState:
         # forward mode is on at the call, and which outputs it differentiates (diff, and those
         # the inputs reach under no_grad: a tangent is not stopped by it); empty: diff
         self.fwd = False
+        self.fwd_only: set[int] = set()
         self.fwd_diff: list[bool] = []
         self.aborted: list = []  # weak refs to what a forward that stopped (a try, see MissedCapture) made
         self.keep_graph = False  # the forward's vjp level keeps what autograd saves (see keep_nothing)
@@ -524,6 +525,7 @@ class RegionState:
         wrapped at the level too, so that if the function stores it, it is found (see :meth:`call`) and the
         caller's object takes a view of the caller's tensor."""
         known.update(diff)
+        self.fwd_only = {id(d) for d in diff} if self.fwd and not any(self.rev) else set()  # (see untracked_stats)
         args = replace_at(tensors, wrt, diff)
         for i, g in enumerate(self.given_ids):
             if i not in wrt and id(t := args[i]) != g and differentiable(t):
@@ -586,6 +588,7 @@ class RegionState:
         mode.levels = self.levels
         # (side outputs no_grad made, see _leaves; in an enclosing region's forward, for its levels)
         mode.every = 0 if recompute else watched(2 if self.vmapped else 1 if self.fwd else 0)
+        mode.fwd_only = set() if recompute else self.fwd_only
         mode.counts_inputs = stores  # (a region nested in this run keeps aliases of its inputs, see refs_counted)
         with mode:
             try:

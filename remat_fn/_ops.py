@@ -29,7 +29,7 @@ __all__ = [
     "op_info", "storage_key", "simple_args", "generator_of", "default_states", "devices_of", "held_copy",
     "no_autocast", "ALIASING", "SEQ", "draw", "run_recorded", "user_modes", "reenter", "written_tensors", "arg_shapes",
     "arg_meta", "has_storage", "PLAIN", "METADATA_ONLY", "single_output", "placeholder", "private_copies", "DECOMPOSED",
-    "copy_before_write", "DETACH", "PrivateWrites", "call_grad_mode", "bookkeeping", "follow",
+    "copy_before_write", "DETACH", "PrivateWrites", "call_grad_mode", "bookkeeping", "follow", "untracked_stats",
 ]
 
 _NULL = contextlib.nullcontext()
@@ -39,7 +39,7 @@ _DYNAMIC = tuple(t for t in (getattr(torch.Tag, "dynamic_output_shape", None),
 
 
 # ops that update BatchNorm's running statistics in place although their schema does
-# not say so (the ``training`` flag is argument 5)
+# not say so, in training mode (the ``training`` flag is argument 5)
 _UNDECLARED = tuple(getattr(getattr(torch.ops.aten, n, None), "default", None)
                     for n in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"))
 
@@ -93,7 +93,46 @@ def simple_args(args, kwargs) -> bool:
     return True
 
 
+_F = torch.nn.functional
+# functions that update BatchNorm's running statistics in training mode: where (position, name)
+# running_mean, running_var and the training flag are given, and the flag's default
+_NORM_STATS = {
+    _F.batch_norm: ((1, "running_mean"), (2, "running_var"), (5, "training"), False),
+    _F.instance_norm: ((1, "running_mean"), (2, "running_var"), (5, "use_input_stats"), True),
+    torch.batch_norm: ((3, "running_mean"), (4, "running_var"), (5, "training"), False),
+    torch.instance_norm: ((3, "running_mean"), (4, "running_var"), (5, "use_input_stats"), True),
+}
+
+
+def untracked_stats(func, args, kwargs, ids: set):
+    """``(args, kwargs)`` with a BatchNorm's running statistics detached where they are among
+    ``ids`` (the inputs of a forward under forward mode alone, which its vjp level makes require
+    grad: plain ``jvp`` gives them a tangent, which the op takes in training mode, where autograd
+    refuses ``requires_grad``).  The op writes the same storage; in eval mode they stay (plain code
+    refuses their tangent there)."""
+    at = _NORM_STATS.get(func)
+    if at is None:
+        return args, kwargs
+
+    def get(i, name, default=None):
+        return args[i] if i < len(args) else kwargs.get(name, default)
+
+    if not get(*at[2], at[3]):
+        return args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+    for i, name in at[:2]:
+        t = get(i, name)
+        if isinstance(t, torch.Tensor) and id(t) in ids:
+            if i < len(args):
+                args[i] = t.detach()
+            else:
+                kwargs[name] = t.detach()
+    return args, kwargs
+
+
 def written_tensors(func, args, kwargs) -> list:
+    if func in _UNDECLARED and not (args[5] if len(args) > 5 else kwargs.get("training", True)):
+        return []  # (BatchNorm in eval mode reads its statistics: an input like any other)
     out = []
     for i, name in op_info(func)[0]:
         v = args[i] if i < len(args) else kwargs.get(name)

@@ -8,17 +8,12 @@ so when a functorch transform is active the region runs inside
   graph saves tape handles (see :mod:`remat_fn._func_graph`), and returns its
   tensor outputs; the Function saves only the inputs (and captured tensors).
 * ``backward`` differentiates that graph, its saved tensors replayed from the
-  tape (the function does not run again), where nothing outside
-  differentiates the backward.  Where something does (``grad`` of ``grad``,
-  ``hessian``) and under forward mode (``jvp``), it differentiates the tape's
-  replay from the inputs to the outputs through every active transform
-  (:mod:`remat_fn._replay_live`).  It runs the region again with
-  ``torch.func.vjp``, computing only the ops the tape's plan needs, where no
-  replay can stand in (a ``vmap`` inside a grad level around the forward, an
-  outer level differentiating a ``vmap(grad)`` backward, a custom
-  ``autograd.Function`` no replay step stands for, offloaded inputs:
-  docs/design.md); ``debug=True`` runs it again too, to check it, the gradient
-  coming from the graph or the replay.  ``generate_vmap_rule`` covers ``vmap``.
+  tape, where nothing outside differentiates the backward; where something
+  does (``grad`` of ``grad``, ``hessian``) and under forward mode (``jvp``),
+  the tape's replay through every active transform (:mod:`remat_fn._replay_live`).
+  Where no replay can stand in (docs/design.md) it runs the region again with
+  ``torch.func.vjp``, computing only the ops the tape's plan needs; ``debug=True``
+  runs it again to check it.  ``generate_vmap_rule`` covers ``vmap``.
 * Under ``vmap(grad)`` (every vmap outside the other transforms) backward
   differentiates the forward level's graph under the forward's vmap levels:
   the tape replays the batched tensors below them and the unpack puts their
@@ -244,11 +239,14 @@ class _RematFunction(torch.autograd.Function):
             for k in side:
                 c, i = pos[k]
                 spec.escapes.setdefault(c, []).append(i)
+            # (one no level wrapped, made by a region nested in this one where nothing needs a
+            # gradient: the caller's object itself, which takes the content of an alias of it)
+            outs = outs[:n] + tuple(outs[n + k].detach() if outs[n + k] is alive[k] else outs[n + k] for k in side)
             del alive
             if frame is not None:  # each output's position among the level's differentiated outputs
                 at = [sum(mask[:i]) if d else None for i, d in enumerate(mask)]
                 spec.dpos = at[:n] + [at[n + k] for k in side]
-            outs = outs[:n] + tuple(outs[n + k] for k in side)
+            spec.n_out = n
             if spec.out_values is not None:
                 spec.out_values = spec.out_values[:n] + [spec.out_values[n + k] for k in side]
                 spec.layers = spec.layers and (spec.layers[0], spec.layers[1][:n] + [spec.layers[1][n + k] for k in side])
@@ -292,8 +290,10 @@ class _RematFunction(torch.autograd.Function):
                 ptrs = {storage_ptr(t) for t in tensors} - {None}
                 reach = forward_reached(tape, outs, {id(unwrap_all(t)) for t in tensors})
                 mask = [differentiable(o) and (r or storage_ptr(o) not in ptrs) for o, r in zip(outs, reach)]
-            spec.escaped = []
-        spec.n_out = len(outs) - len(spec.escaped)
+            # (what it stored, made under no_grad, which an enclosing forward under forward mode watches:
+            # that region sees this call make it, see note_region_outputs)
+            spec.escaped = [t for _, t in spec.escaped] if tape is not None else []
+            spec.n_out = len(outs)
         spec.diff = [differentiable(o) for o in outs] if mask is None else mask
         if spec.rec is not None and spec.frame is None:
             if spec.offload is not None:
