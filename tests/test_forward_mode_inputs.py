@@ -5,7 +5,8 @@ A BatchNorm's running statistics passed to the region as arguments under ``jvp``
 crashed: the forward's own vjp level made them require grad, which ``native_batch_norm``
 refuses, while plain ``jvp`` gives them a tangent, which it takes in training mode.  In eval
 mode the statistics were recorded as written (their schema does not say when the op writes)
-and replayed as constants, so a tangent plain code refuses would have been dropped silently.
+and replayed as constants, so under ``jvp(grad)`` a tangent plain code refuses was dropped
+silently (0.60 off).
 And a region nested in another, given only such an input, that stored a tensor it made under
 ``no_grad`` lost that tensor's tangent (2.55 off under ``jvp(grad)``, silently)."""
 
@@ -79,7 +80,7 @@ def test_jvp_over_batchnorm_statistics_passed_as_arguments(transform, norm):
 @pytest.mark.parametrize("transform", ["jvp", "jacfwd", "jvp_of_grad", "vmap_of_jvp"])
 def test_eval_batchnorm_statistics_with_a_tangent_are_refused(transform):
     # eval mode: plain code refuses a tangent on the statistics (torch has no rule for it);
-    # remat refuses too, where it dropped the tangent silently (1.29 off under jvp)
+    # remat refuses too (under jvp(grad) it dropped the tangent silently)
     body = _bn(False)
     assert _run(transform, body, ident) is RuntimeError
     assert _run(transform, body, remat) is RuntimeError
