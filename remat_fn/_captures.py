@@ -280,14 +280,15 @@ class CaptureMode(TorchFunctionMode):
         # the function read or wrote ``.data``: an alias no aten op makes, which the recorded
         # forward cannot tell from the tensor (no replay stands in for it, see _replay_live)
         self.opaque = False
-        self.every = 0  # (see _leaves)
-        self.fwd_only: set[int] = set()  # (see untracked_stats)
+        self.every, self.fwd_only = 0, set()  # (see _leaves, untracked_stats)
         self.counts_inputs = False  # a run again that looks for the inputs it stores (see refs_counted)
 
     def _fix(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             r = self.subst.get(id(x))
-            if r is not None and not self._replaced_inside(x):
+            if r is not None:
+                if self._replaced_inside(x):  # (an inner region's value, left alone)
+                    return x
                 self.hits.add(id(x))
                 return r
             known = self.known
@@ -313,9 +314,8 @@ class CaptureMode(TorchFunctionMode):
         return x
 
     def _replaced_inside(self, x: torch.Tensor) -> bool:
-        """``x``, a tensor this region replaces, is the replacement a region nested in its forward (whose
-        mode saw the op first) made of it, the same object (its Function's forward sees its input
-        unwrapped): that region's value, not this one's (a level's wrapper in its run again: refused)."""
+        """``x`` is the replacement a region nested in this one's forward made of a tensor this one replaces, the same
+        object (its Function's forward sees its input unwrapped): that region's value, not this one's to replace."""
         for mode in reversed(AMBIENT.captures):
             if mode is self or any(v is x for v in mode.subst.values()):
                 return mode is not self
