@@ -132,10 +132,11 @@ def batch_layers(t: torch.Tensor) -> tuple[tuple[int, int], ...]:
 def vmaps_outermost(levels: dict) -> bool:
     """Every active ``vmap`` sits outside every other active transform (``vmap(grad(f))``,
     per-sample gradients): the region's forward and its backward then run under the same
-    vmap levels."""
+    vmap levels.  Or no grad level is active (``jvp(vmap(f))``, ``jacfwd(vmap(f))``): no
+    backward runs, and the jvp rule replays the forward on the batched tensors below the vmaps."""
     kinds = [levels[k] for k in sorted(levels)]
     n = sum(1 for k in kinds if is_vmap_kind(k))
-    return all(is_vmap_kind(k) for k in kinds[:n])
+    return all(is_vmap_kind(k) for k in kinds[:n]) or all(is_vmap_kind(k) or is_jvp_kind(k) for k in kinds)
 
 
 def rebatch(t: torch.Tensor, layers) -> torch.Tensor:
@@ -155,16 +156,21 @@ def peel_vmaps(t: torch.Tensor):
     plain tensors would cut off: ``vmap(grad(jvp))``)."""
     top = []
     own = current_level()
+    # (a jvp level's wrapper below the rule's own level, ``jvp(vmap(f))``, where no grad level is
+    # active: the rule's ops are lifted to it, and no level differentiates the rule)
+    fwd_only = all(is_vmap_kind(k) or is_jvp_kind(k) for k in live_levels().values())
     while C.is_functorch_wrapped_tensor(t) and not C.is_batchedtensor(t):
-        if C.maybe_get_level(t) < own:
+        if C.maybe_get_level(t) < own and not fwd_only:
             return None
         top.append(C.maybe_get_level(t))
         t = C.get_unwrapped(t)
     layers = []
     while C.is_functorch_wrapped_tensor(t):
         if not C.is_batchedtensor(t):
-            return None
-        layers.append((C.maybe_get_level(t), C.maybe_get_bdim(t)))
+            if not fwd_only:
+                return None
+        else:
+            layers.append((C.maybe_get_level(t), C.maybe_get_bdim(t)))
         t = C.get_unwrapped(t)
     return t, layers[::-1], top
 
@@ -211,9 +217,13 @@ def from_physical(y: torch.Tensor, layers, n_logical: int, extra: list[int]) -> 
     if got is None or got[1] or got[0].dim() != n_logical + len(layers) + len(extra):
         return None
     y = got[0]
+    # (wrappers nest outward by level: extra levels outside the others, ``jacfwd(vmap(f))``'s basis, go on first)
+    below = bool(extra and layers) and extra[-1] < min(level for level, _ in layers)
+    for k, level in enumerate(extra if below else ()):
+        y = C._add_batch_dim(y, y.dim() - (len(extra) - k), level)
     for level, bdim in layers:
         y = C._add_batch_dim(y, bdim, level)
-    for k, level in enumerate(extra):
+    for k, level in enumerate(() if below else extra):
         y = C._add_batch_dim(y, y.dim() - (len(extra) - k), level)
     return y
 

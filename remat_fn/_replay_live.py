@@ -446,8 +446,8 @@ def replay_jvp(spec, tensors, tangents, wrt, out_diff, region=None) -> tuple:
         raise CannotReplay("a tangent is wrapped at another level")
     mine = set(level_of.values())
     extra = sorted({lv for p in peeled.values() for lv, _ in p[1]} - mine)
-    if extra and mine and extra[0] < max(mine):
-        raise CannotReplay("a tangent is batched at a level inside the primals' levels")
+    if extra and mine and not (extra[0] > max(mine) or extra[-1] < min(mine)):
+        raise CannotReplay("a tangent is batched at a level between the primals' levels")
     sizes = dict(vmap_sizes())
     tans = []
     for k in wrt:

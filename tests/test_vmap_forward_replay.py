@@ -50,6 +50,13 @@ _TRANSFORMS = {
     "vmap_vmap_jvp": lambda f: vmap(vmap(lambda x: jvp(f, (x,), (x.cos(),))[1]))(_XBB),
     "vmap_hessian": lambda f: vmap(hessian(lambda x: _sum_all(f(x))))(_XB),
     "vmap_jvp_of_grad": lambda f: vmap(lambda x, t: jvp(grad(lambda x: _sum_all(f(x))), (x,), (t,))[1])(_XB, _TB),
+    # the vmap inside the jvp level: the forward kept no tape there until this (it ran as a planned
+    # re-run, and the rule ran the function again)
+    "jvp_vmap": lambda f: jvp(vmap(f), (_XB,), (_TB,))[1],
+    "jvp_vmap_in_dims_1": lambda f: jvp(vmap(f, in_dims=1), (_XB.T.contiguous(),), (_TB.T.contiguous(),))[1],
+    "jacfwd_vmap": lambda f: jacfwd(vmap(f))(_XB),
+    "vmap_jvp_vmap": lambda f: vmap(lambda x, t: jvp(vmap(f), (x,), (t,))[1])(_XBB, _XBB.cos()),
+    "jvp_vmap_vmap": lambda f: jvp(vmap(vmap(f)), (_XBB,), (_XBB.sin(),))[1],
 }
 # (backward still runs the function again under these two: the tape holds the batched ops, and a
 # reverse level inside the vmap differentiates the backward; docs/design.md)
