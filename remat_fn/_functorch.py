@@ -132,11 +132,11 @@ def batch_layers(t: torch.Tensor) -> tuple[tuple[int, int], ...]:
 def vmaps_outermost(levels: dict) -> bool:
     """Every active ``vmap`` sits outside every other active transform (``vmap(grad(f))``,
     per-sample gradients): the region's forward and its backward then run under the same
-    vmap levels.  Or no grad level is active (``jvp(vmap(f))``, ``jacfwd(vmap(f))``): no
-    backward runs, and the jvp rule replays the forward on the batched tensors below the vmaps."""
+    vmap levels.  Otherwise (``grad(vmap(f))``, ``jvp(vmap(f))``) the Function runs under the vmap
+    rule torch generates for it, its rules under vmap levels of their own."""
     kinds = [levels[k] for k in sorted(levels)]
     n = sum(1 for k in kinds if is_vmap_kind(k))
-    return all(is_vmap_kind(k) for k in kinds[:n]) or all(is_vmap_kind(k) or is_jvp_kind(k) for k in kinds)
+    return all(is_vmap_kind(k) for k in kinds[:n])
 
 
 def rebatch(t: torch.Tensor, layers) -> torch.Tensor:
@@ -148,7 +148,7 @@ def rebatch(t: torch.Tensor, layers) -> torch.Tensor:
     return wrap_at_top(t)
 
 
-def peel_vmaps(t: torch.Tensor):
+def peel_vmaps(t: torch.Tensor, below: bool | None = None):
     """``(plain tensor, [(level, bdim)] innermost first, [levels of the other wrappers above
     them]``) for ``t`` (a tensor in a custom Function's jvp rule under ``vmap`` levels only, the
     rule's own level above them: the innermost active one, or one above it), or None where
@@ -157,8 +157,9 @@ def peel_vmaps(t: torch.Tensor):
     top = []
     own = current_level()
     # (a jvp level's wrapper below the rule's own level, ``jvp(vmap(f))``, where no grad level is
-    # active: the rule's ops are lifted to it, and no level differentiates the rule)
-    fwd_only = all(is_vmap_kind(k) or is_jvp_kind(k) for k in live_levels().values())
+    # active: the rule's ops are lifted to it, and no level differentiates the rule; ``below``: no
+    # level differentiates it, said by the caller, a backward's wrappers of its grad level too)
+    fwd_only = all(is_vmap_kind(k) or is_jvp_kind(k) for k in live_levels().values()) if below is None else below
     while C.is_functorch_wrapped_tensor(t) and not C.is_batchedtensor(t):
         if C.maybe_get_level(t) < own and not fwd_only:
             return None
@@ -209,11 +210,11 @@ def to_physical(peeled, layers, sizes: dict[int, int], extra: list[int]) -> torc
     return x
 
 
-def from_physical(y: torch.Tensor, layers, n_logical: int, extra: list[int]) -> torch.Tensor | None:
+def from_physical(y: torch.Tensor, layers, n_logical: int, extra: list[int], below: bool | None = None) -> torch.Tensor | None:
     """The inverse of :func:`to_physical` for a result ``y``: a plain tensor batched at ``layers``
     (innermost first) of ``n_logical`` logical dims, then at ``extra`` (its last dims); wrapped at
-    ``layers`` and then at ``extra``.  None where ``y`` is not so."""
-    got = peel_vmaps(y)  # (below the wrappers of the rule's own levels)
+    ``layers`` and then at ``extra``.  None where ``y`` is not so (``below``: see peel_vmaps)."""
+    got = peel_vmaps(y, below)  # (below the wrappers of the rule's own levels)
     if got is None or got[1] or got[0].dim() != n_logical + len(layers) + len(extra):
         return None
     y = got[0]

@@ -107,7 +107,7 @@ from ._offload import FuncInputs, hint, input_offloads
 from ._profile import storage_bytes
 from ._record import Diverged, Record, recording_tapes, saving
 from ._region import RegionCall, region_depth
-from ._replay_live import CannotReplay, forward_reached, output_value, replay_fn, replay_jvp
+from ._replay_live import CannotReplay, forward_reached, output_value, replay_fn, replay_jvp, replay_vjp
 from ._rng_state import RNGSnapshot
 from ._tape import Tape, Value
 from ._torch_internals import top_hooks, use_count
@@ -176,7 +176,7 @@ class _RematFunction(torch.autograd.Function):
                 o = o + tuple(r() for r in refs)
                 if (frame is not None or spec.replay) and not draws_in_vmap(spec, tape):  # (see remat_fn._replay_live)
                     spec.out_values = [output_value(tape, t) for t in o]
-                    if spec.batched and spec.fwd:  # (see replay_jvp: how the recorded ops batch them)
+                    if spec.batched:  # (see replay_jvp, replay_vjp: how the recorded ops batch them)
                         spec.layers = ([batch_layers(t) for t in tensors], [batch_layers(t) for t in o])
                     roots = [t.grad_fn for t in o if isinstance(t, torch.Tensor) and t.grad_fn is not None]
                     if frame is not None and not spec.held_inputs:  # (checked if a replay is asked for: the graph is kept anyway)
@@ -356,11 +356,11 @@ class _RematFunction(torch.autograd.Function):
         # The recorded forward, replayed (where an outer transform differentiates this backward,
         # and for a nested region): the regions nested in it replay as regions of their own
         gin = None
-        if _replayable(spec):
+        if _replayable(spec, detach and spec.layers is not None and not vmaps_outermost(spec.levels)):  # (see replay_vjp)
             try:
                 with torch.no_grad() if detach else _NULL:
-                    f = replay_fn(spec, tensors, wrt, out_diff, _run_span)
-                    vjp_fn = torch.func.vjp(f, *[tensors[i] for i in wrt])[1]
+                    vjp_fn = functools.partial(replay_vjp, spec, tensors, wrt=wrt, out_diff=out_diff, region=_run_span) \
+                        if spec.batched else torch.func.vjp(replay_fn(spec, tensors, wrt, out_diff, _run_span), *[tensors[i] for i in wrt])[1]
                     if spec.prof is not None:
                         spec.prof.record_recompute(spec.name, time.perf_counter() - start)
                     gin = vjp_fn(cot)
@@ -528,15 +528,14 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         if policy is not None:
             spec.offload = FuncInputs(input_offloads(policy, inputs))
             spec.offload.listen(spec.rec, inputs)  # (arguments checkpoint_name names inside the region)
-        # (backward runs the function again: under vmap (the tape holds batched ops), strict modes (debug,
-        # early_stop=False, a generic context_fn), offloads; nested: docs/design.md, "still runs again")
-        # (under vmap only where every vmap sits outside the other transforms, vmap(grad):
-        # backward then runs under the forward's vmap levels, see remat_fn._func_graph.KeepHandles)
+        # (backward runs the function again: the function calls torch.func, offloads; and where no replay
+        # stands in, docs/design.md, "still runs again".  Under vmap(grad), every vmap outside the other
+        # transforms, backward runs under the forward's vmap levels, see remat_fn._func_graph.KeepHandles;
+        # under grad(vmap) it replays the batched ops below the vmaps, see replay_vjp)
         spec.batched = any(any_batched(t) for t in (*inputs, *closed))
         spec.check = call.strict  # (a run again in backward checks the function; the gradient comes from the forward)
-        rerun = keep_graph or (spec.offload is not None and spec.offload.rerun) \
-            or (spec.batched and not vmaps_outermost(levels))
-        if rerun or nested:  # backward re-runs the function (nested: replays its recorded forward)
+        rerun = keep_graph or (spec.offload is not None and spec.offload.rerun)
+        if rerun or nested or (spec.batched and not vmaps_outermost(levels)):  # (nested: replays its recorded forward)
             spec.tape = Tape(func_path=True)
             spec.replay = not rerun
         else:  # backward differentiates the forward's graph, its saved tensors replayed

@@ -40,7 +40,7 @@ import torch
 
 from ._func_semantics import replace_at
 from ._function_steps import FunctionStep, apply_step, plan_steps
-from ._functorch import from_physical, peel_vmaps, to_physical, unwrap_all, vmap_sizes
+from ._functorch import from_physical, is_vmap_kind, live_levels, peel_vmaps, to_physical, unwrap_all, vmap_sizes
 from ._ops import ALIASING, DETACH, arg_meta, no_autocast, reenter, run_recorded
 from ._tape import Value
 from ._torch_internals import DisableFuncTorch, TorchDispatchMode
@@ -428,33 +428,9 @@ def replay_jvp(spec, tensors, tangents, wrt, out_diff, region=None) -> tuple:
     if not spec.batched:
         return torch.func.jvp(replay_fn(spec, tensors, wrt, out_diff, region), tuple(tensors[i] for i in wrt),
                               tuple(tangents[i] for i in wrt))[1]
-    in_layers, out_layers = spec.layers
-    level_of: dict[int, int] = {}
-    phys, live = [], []
-    for t, lay in zip(tensors, in_layers):
-        got = peel_vmaps(t)
-        if got is None or len(got[1]) != len(lay):
-            raise CannotReplay("the jvp rule's inputs are not batched as the forward's were")
-        x, have, _ = got
-        for (level, bdim), (fresh, fbdim) in zip(have, lay):
-            if bdim != fbdim or level_of.setdefault(fresh, level) != level:
-                raise CannotReplay("the jvp rule's inputs are not batched as the forward's were")
-        phys.append(x)
-        live.append(have)
-    peeled = {k: peel_vmaps(tangents[k]) for k in wrt}
-    if any(p is None for p in peeled.values()):
-        raise CannotReplay("a tangent is wrapped at another level")
-    mine = set(level_of.values())
-    extra = sorted({lv for p in peeled.values() for lv, _ in p[1]} - mine)
-    if extra and mine and not (extra[0] > max(mine) or extra[-1] < min(mine)):
-        raise CannotReplay("a tangent is batched at a level between the primals' levels")
-    sizes = dict(vmap_sizes())
-    tans = []
-    for k in wrt:
-        x = to_physical(peeled[k], live[k], sizes, extra)
-        if x is None:
-            raise CannotReplay("a tangent cannot be laid out as its primal")
-        tans.append(x.movedim(tuple(range(x.dim() - len(extra), x.dim())), tuple(range(len(extra)))))
+    phys, live, level_of = _physical_inputs(spec, tensors, None)
+    out_layers = [lay for lay, d in zip(spec.layers[1], out_diff) if d]
+    extra, tans = _physical_args([tangents[k] for k in wrt], [live[k] for k in wrt], level_of, None)
     for k in wrt:  # (a dual of a tensor whose elements share memory (an expanded batch) is refused: its copy)
         if any(st == 0 and n > 1 for st, n in zip(phys[k].stride(), phys[k].shape)):
             phys[k] = phys[k].contiguous()
@@ -466,15 +442,81 @@ def replay_jvp(spec, tensors, tangents, wrt, out_diff, region=None) -> tuple:
 
     for _ in extra:
         push = torch.func.vmap(push)
-    touts = push(*tans)
+    metas = [m for m, d in zip(spec.out_meta, out_diff) if d]
+    return _logical(push(*tans), [_live_layers(lay, level_of) for lay in out_layers], [len(m[0]) for m in metas], extra, None)
+
+
+def replay_vjp(spec, tensors, cot, wrt, out_diff, region=None) -> tuple:
+    """The Function's ``backward`` where ``vmap`` levels inside the grad level batch the region
+    (``grad(vmap(f))``, ``jacrev(vmap(f))``) and nothing differentiates the backward: the input
+    gradients for the cotangents ``cot``, pulled back through the recorded forward on the batched
+    tensors below the vmaps (the rule's own vmap levels, torch's generated vmap rule's, stand in
+    order for the forward's), laid out as in :func:`replay_jvp`.  An input the vmaps do not batch
+    gets its gradient summed over the batch, as plain code's.  The function's Python does not run."""
+    phys, _, level_of = _physical_inputs(spec, tensors, True)
+    outer = [lv for lv, kind in live_levels().items() if not is_vmap_kind(kind)]
+    if outer and any(lv < max(outer) for lv in level_of.values()):  # (vmap(grad(vmap(f))))
+        raise CannotReplay("a vmap outside the grad level batches the region: its examples' gradients stay apart")
+    out_layers = [_live_layers(lay, level_of) for lay, d in zip(spec.layers[1], out_diff) if d]
+    extra, cots = _physical_args(cot, out_layers, level_of, True)
+    vjp_fn = torch.func.vjp(replay_fn(spec, phys, wrt, out_diff, region), *[phys[k] for k in wrt])[1]
+    for _ in extra:
+        vjp_fn = torch.func.vmap(vjp_fn)
+    return _logical(vjp_fn(tuple(cots)), [_live_layers(spec.layers[0][k], level_of) for k in wrt],
+                    [tensors[k].dim() for k in wrt], extra, True)
+
+
+def _physical_inputs(spec, tensors, below):
+    """The region's inputs as the tape read them (below their vmap wrappers), their live ``(level,
+    bdim)``, and the live level standing for each of the forward's (see replay_jvp)."""
+    level_of: dict[int, int] = {}
+    phys, live = [], []
+    for t, lay in zip(tensors, spec.layers[0]):
+        got = peel_vmaps(t, below)
+        if got is None or len(got[1]) != len(lay):
+            raise CannotReplay("the rule's inputs are not batched as the forward's were")
+        x, have, _ = got
+        for (level, bdim), (fresh, fbdim) in zip(have, lay):
+            if bdim != fbdim or level_of.setdefault(fresh, level) != level:
+                raise CannotReplay("the rule's inputs are not batched as the forward's were")
+        phys.append(x)
+        live.append(have)
+    return phys, live, level_of
+
+
+def _live_layers(lay, level_of) -> list:
+    if any(fresh not in level_of for fresh, _ in lay):
+        raise CannotReplay("an output is batched at a level no input is")
+    return [(level_of[fresh], bdim) for fresh, bdim in lay]
+
+
+def _physical_args(args, layers, level_of, below) -> tuple[list, list]:
+    """Tangents or cotangents ``args`` laid out as the plain tensors of ``layers`` (see
+    to_physical), their own vmap levels (``extra``: jacfwd's or jacrev's basis) first."""
+    peeled = [peel_vmaps(a, below) for a in args]
+    if any(p is None for p in peeled):
+        raise CannotReplay("a tangent is wrapped at another level")
+    mine = set(level_of.values())
+    extra = sorted({lv for p in peeled for lv, _ in p[1]} - mine)
+    if extra and mine and not (extra[0] > max(mine) or extra[-1] < min(mine)):
+        raise CannotReplay("a tangent is batched at a level between the primals' levels")
+    sizes = dict(vmap_sizes())
     out = []
-    for y, lay, meta in zip(touts, (lay for lay, d in zip(out_layers, out_diff) if d),
-                            (m for m, d in zip(spec.out_meta, out_diff) if d)):
-        if any(fresh not in level_of for fresh, _ in lay):
-            raise CannotReplay("an output is batched at a level no input is")
+    for p, lay in zip(peeled, layers):
+        x = to_physical(p, lay, sizes, extra)
+        if x is None:
+            raise CannotReplay("a tangent cannot be laid out as its primal")
+        out.append(x.movedim(tuple(range(x.dim() - len(extra), x.dim())), tuple(range(len(extra)))))
+    return extra, out
+
+
+def _logical(ys, layers, dims, extra, below) -> tuple:
+    """Results ``ys`` of the physical replay (``extra`` levels first) batched again at ``layers``."""
+    out = []
+    for y, lay, n in zip(ys, layers, dims):
         y = y.movedim(tuple(range(len(extra))), tuple(range(y.dim() - len(extra), y.dim())))
-        t = from_physical(y, [(level_of[fresh], bdim) for fresh, bdim in lay], len(meta[0]), extra)
+        t = from_physical(y, lay, n, extra, below)
         if t is None:
-            raise CannotReplay("an output tangent is not batched as its output")
+            raise CannotReplay("a result is not batched as its tensor")
         out.append(t)
     return tuple(out)

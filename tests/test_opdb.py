@@ -30,7 +30,8 @@ Transforms (``CELLS``): ``eager`` (``torch.autograd.grad`` of a random-cotangent
 weighted sum), ``eager_double`` (``create_graph=True`` then a second grad),
 ``vjp`` (inputs that require grad), ``vjp_nograd`` (detached inputs), ``jvp``,
 ``vmap_jvp`` (``jvp`` under ``vmap`` of a batch of two primals),
-``vmap_vjp`` (batched cotangents), ``vjp_vjp``, ``jvp_vjp``, ``jacrev``,
+``vmap_vjp`` (batched cotangents), ``jvp_vmap`` / ``vjp_vmap`` (``jvp`` / ``vjp``
+around ``vmap`` of a batch of two primals), ``vjp_vjp``, ``jvp_vjp``, ``jacrev``,
 ``jacfwd``, ``hessian`` (of a scalar reduction; small inputs only) and, for
 OpInfos with an in-place variant, ``inplace_eager`` / ``inplace_vjp`` on the
 region ``lambda x, *a: op.inplace_variant(x.clone(), *a)``.
@@ -226,6 +227,22 @@ def cell_vmap_jvp(case, fn, g):
     return torch.func.vmap(lambda ps, ts: torch.func.jvp(case.f(fn), ps, ts))(ps, ts)
 
 
+def cell_jvp_vmap(case, fn, g):
+    # (jvp around vmap: no grad level, the forward keeps its tape and the jvp rule replays it on the
+    # batched tensors below the vmap, its ops lifted to the jvp level)
+    ps = tuple(torch.stack([p, p * 0.9]) for p in case.primals)
+    ts = tuple(_randn_like(p, g) for p in ps)
+    return torch.func.jvp(torch.func.vmap(case.f(fn)), ps, ts)
+
+
+def cell_vjp_vmap(case, fn, g):
+    # (vjp around vmap, the functional loop's batch under a grad level: backward replays the
+    # recorded forward on the batched tensors below the vmap)
+    ps = tuple(torch.stack([p, p * 0.9]) for p in case.primals)
+    outs, vjp_fn = torch.func.vjp(torch.func.vmap(case.f(fn)), *ps)
+    return outs, vjp_fn(tuple(_randn_like(o, g) for o in outs))
+
+
 def _vjp_fn_of(case, fn):
     """``(primals, cotangents) -> vjp`` as functorch's get_vjp_fn_and_args_with_cotangents."""
     f = case.f(fn)
@@ -290,13 +307,14 @@ def cell_hessian(case, fn, g):
 CELLS = {
     "eager": cell_eager, "eager_double": cell_eager_double, "vjp": cell_vjp,
     "vjp_nograd": cell_vjp_nograd, "jvp": cell_jvp, "vmap_jvp": cell_vmap_jvp, "vmap_vjp": cell_vmap_vjp,
+    "jvp_vmap": cell_jvp_vmap, "vjp_vmap": cell_vjp_vmap,
     "vjp_vjp": cell_vjp_vjp, "jvp_vjp": cell_jvp_vjp, "jacrev": cell_jacrev,
     "jacfwd": cell_jacfwd, "hessian": cell_hessian,
     "inplace_eager": cell_eager, "inplace_vjp": cell_vjp,
 }
 # the cells plain pytest runs (first sample of every op); REMAT_OPDB=full runs all
 DEFAULT_CELLS = {("eager", "none"), ("eager_double", "none"), ("vjp", "none"), ("jvp", "none"), ("vmap_jvp", "none"),
-                 ("vmap_vjp", "none"), ("jvp_vjp", "none"), ("eager", "save_all"), ("vjp", "save_all"),
+                 ("vmap_vjp", "none"), ("jvp_vmap", "none"), ("vjp_vmap", "none"), ("jvp_vjp", "none"), ("eager", "save_all"), ("vjp", "save_all"),
                  ("eager", "dots"), ("vjp", "dots"), ("inplace_eager", "none")}
 
 
@@ -326,6 +344,8 @@ KNOWN: dict[tuple[str, str, str], str] = {
     ('nn.functional.linear_cross_entropy_chunked_none', 'jacfwd', '*'): _LCE_CHUNKED_JVP,
     ('nn.functional.linear_cross_entropy_chunked', 'vmap_jvp', '*'): _LCE_CHUNKED_JVP,
     ('nn.functional.linear_cross_entropy_chunked_none', 'vmap_jvp', '*'): _LCE_CHUNKED_JVP,
+    ('nn.functional.linear_cross_entropy_chunked', 'jvp_vmap', '*'): _LCE_CHUNKED_JVP,
+    ('nn.functional.linear_cross_entropy_chunked_none', 'jvp_vmap', '*'): _LCE_CHUNKED_JVP,
 }
 
 
