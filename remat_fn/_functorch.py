@@ -132,11 +132,12 @@ def batch_layers(t: torch.Tensor) -> tuple[tuple[int, int], ...]:
 def vmaps_outermost(levels: dict) -> bool:
     """Every active ``vmap`` sits outside every other active transform (``vmap(grad(f))``,
     per-sample gradients): the region's forward and its backward then run under the same
-    vmap levels.  Otherwise (``grad(vmap(f))``, ``jvp(vmap(f))``) the Function runs under the vmap
-    rule torch generates for it, its rules under vmap levels of their own."""
+    vmap levels.  Otherwise (``grad(vmap(f))``, ``jvp(vmap(f))``, eager autograd around ``vmap(f)``)
+    the Function runs under the vmap rule torch generates for it, its rules under vmap levels of
+    their own."""
     kinds = [levels[k] for k in sorted(levels)]
     n = sum(1 for k in kinds if is_vmap_kind(k))
-    return all(is_vmap_kind(k) for k in kinds[:n])
+    return n < len(kinds) and all(is_vmap_kind(k) for k in kinds[:n])
 
 
 def rebatch(t: torch.Tensor, layers) -> torch.Tensor:

@@ -348,15 +348,15 @@ class _RematFunction(torch.autograd.Function):
         if spec.check and (spec.graph is not None or _replayable(spec)):  # (strict checks: debug, early_stop=False)
             _check(spec, tensors, wrt, out_diff, detach, _cotangents(spec, grads, out_diff))
         # (grad mode off: nothing records this backward; a forward-mode level would, see from_graph)
-        if (detach or not torch.is_grad_enabled()) and spec.graph is not None and not forward_mode_active() \
-                and (not spec.batched or grad_on_top()):  # (batched saved tensors: see rebatch)
+        quiet = (detach or not torch.is_grad_enabled()) and not forward_mode_active()
+        if quiet and spec.graph is not None and (not spec.batched or grad_on_top()):  # (batched saved tensors: see rebatch)
             return from_graph(spec, tensors, wrt, grads)
         cot = _cotangents(spec, grads, out_diff)
         start = time.perf_counter()
         # The recorded forward, replayed (where an outer transform differentiates this backward,
         # and for a nested region): the regions nested in it replay as regions of their own
         gin = None
-        if _replayable(spec, detach and spec.layers is not None and not vmaps_outermost(spec.levels)):  # (see replay_vjp)
+        if _replayable(spec, quiet and spec.layers is not None and not vmaps_outermost(spec.levels)):  # (see replay_vjp)
             try:
                 with torch.no_grad() if detach else _NULL:
                     vjp_fn = functools.partial(replay_vjp, spec, tensors, wrt=wrt, out_diff=out_diff, region=_run_span) \

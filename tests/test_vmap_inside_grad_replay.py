@@ -1,7 +1,8 @@
 """Reverse mode around ``vmap``: backward replays the recorded forward on the batched tensors.
 
-Under ``grad(vmap(f))``, ``jacrev(vmap(f))``, ``vjp(vmap(f))`` and ``grad(vmap(vmap(f)))`` (a vmap
+Under ``grad(vmap(f))``, ``jacrev(vmap(f))``, ``vjp(vmap(f))``, ``grad(vmap(vmap(f)))`` (a vmap
 inside the grad level, the common functional training loop computing a batch's loss with vmap)
+and eager autograd around ``vmap(f)``
 the forward kept no tape: it ran as a planned re-run, and backward ran the function again with
 placeholders, its Python side effects twice (a list one entry longer than plain code's).  Now the
 forward keeps its tape and backward pulls the cotangents back through it on the tensors below the
@@ -44,6 +45,16 @@ def _vjp_of(g):
     return vjp_fn(tuple(o.cos() for o in out) if isinstance(out, tuple) else out.cos())
 
 
+def _eager(g, create_graph: bool = False):
+    x = _XB.clone().requires_grad_()
+    loss = _loss(g(x))
+    if create_graph:  # (eager autograd differentiates the backward: it runs the function again)
+        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+        loss = (gx * gx).sum()
+    loss.backward()
+    return x.grad
+
+
 _TRANSFORMS = {
     "grad_vmap": lambda f: grad(lambda x: _loss(vmap(f)(x)))(_XB),
     "grad_vmap_in_dims_1": lambda f: grad(lambda x: _loss(vmap(f, in_dims=1)(x)))(_XB.T.contiguous()),
@@ -54,11 +65,13 @@ _TRANSFORMS = {
     "grad_vmap_vmap": lambda f: grad(lambda x: _loss(vmap(vmap(f))(x)))(_XBB),
     "vmap_grad_vmap": lambda f: vmap(grad(lambda x: _loss(vmap(f)(x))))(_XBB),
     "hessian_vmap": lambda f: hessian(lambda v: _loss(_scaled(f)(v)))(_V),
+    "eager_around_vmap": lambda f: _eager(vmap(f)),
+    "eager_double_around_vmap": lambda f: _eager(vmap(f), create_graph=True),
 }
 # (an outer level differentiates the backward there, or a vmap outside the grad level keeps each
 # example's gradient apart, which a replay on the tensors below both vmaps would sum: it runs the
 # function again)
-_BACKWARD_RUNS_AGAIN = {"hessian_vmap", "vmap_grad_vmap"}
+_BACKWARD_RUNS_AGAIN = {"hessian_vmap", "vmap_grad_vmap", "eager_double_around_vmap"}
 
 
 @pytest.mark.parametrize("case", _CASES)
