@@ -106,7 +106,7 @@ from ._functorch import (
 from ._offload import FuncInputs, hint, input_offloads
 from ._profile import storage_bytes
 from ._record import Diverged, Record, recording_tapes, saving
-from ._region import RegionCall, region_depth
+from ._region import RegionCall, entered, region_depth
 from ._replay_live import CannotReplay, forward_reached, output_value, replay_fn, replay_jvp, replay_vjp
 from ._rng_state import RNGSnapshot
 from ._tape import Tape, Value
@@ -130,8 +130,7 @@ class _RematFunction(torch.autograd.Function):
         wrt = [i for i, n in enumerate(spec.needs) if n]
         if wrt:
             # (under forward mode the vjp level takes the inputs reverse mode differentiates, where there are
-            # any: a tensor only a jvp level wraps gets its tangent from the replay, and a BatchNorm's running
-            # statistics carrying a tangent, required grad under that level, which native_batch_norm refused)
+            # any: a tensor only a jvp level wraps gets its tangent from the replay; see also untracked_stats)
             if spec.fwd and any(spec.rev):
                 wrt = [i for i in wrt if spec.rev[i]]
             # The forward runs under a vjp level over the inputs that need a
@@ -353,10 +352,12 @@ class _RematFunction(torch.autograd.Function):
             return from_graph(spec, tensors, wrt, grads)
         cot = _cotangents(spec, grads, out_diff)
         start = time.perf_counter()
-        # The recorded forward, replayed (where an outer transform differentiates this backward,
-        # and for a nested region): the regions nested in it replay as regions of their own
+        # The recorded forward, replayed (where an outer transform differentiates this backward, for a nested
+        # region, under vmap): the regions nested in it replay as regions of their own
         gin = None
-        if _replayable(spec, quiet and spec.layers is not None and not vmaps_outermost(spec.levels)):  # (see replay_vjp)
+        # (replay_vjp: nothing differentiates this backward; grad mode off says so under vmaps alone, not under a grad level)
+        eager = not torch.is_grad_enabled() and all(is_vmap_kind(k) for k in live_levels().values())
+        if _replayable(spec, (detach or eager) and spec.layers is not None and not vmaps_outermost(spec.levels)):
             try:
                 with torch.no_grad() if detach else _NULL:
                     vjp_fn = functools.partial(replay_vjp, spec, tensors, wrt=wrt, out_diff=out_diff, region=_run_span) \
@@ -440,15 +441,15 @@ def _check(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot) -> None
 
 def _run_span(fun, name: str, opts, args: tuple):
     """A region nested in a replayed one, run as a region of its own (see remat_fn._replay_live)."""
-    return run_torch_func(RegionCall(fun, name, opts, args, {}))
+    with entered():  # (one region deeper, as remat's call enters it: its Function is no op of the enclosing one's)
+        return run_torch_func(RegionCall(fun, name, opts, args, {}))
 
 
 def _rerun_vjp(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot, start: float):
     """Backward by running the region again under ``torch.func.vjp`` (where no replay of
     the recorded forward stands in for it): the input gradients for ``cot``."""
     f = _recompute_fn(spec, tensors, wrt, out_diff)
-    # Ops whose results backward does not need are skipped (see Tape.plan) when
-    # nothing outside differentiates this backward; otherwise all run.
+    # (ops whose results backward does not need are skipped where nothing outside differentiates it, see Tape.plan)
     plan = spec.plan if detach else None
 
     def rerun(tape, plan):

@@ -43,7 +43,7 @@ from ._function_steps import FunctionStep, apply_step, plan_steps
 from ._functorch import from_physical, is_vmap_kind, live_levels, peel_vmaps, to_physical, unwrap_all, vmap_sizes
 from ._ops import ALIASING, DETACH, arg_meta, no_autocast, reenter, run_recorded
 from ._tape import Value
-from ._torch_internals import DisableFuncTorch, TorchDispatchMode
+from ._torch_internals import DisableFuncTorch, TorchDispatchMode, below_transforms
 from ._unseen import unseen_alias
 
 __all__ = ["CannotReplay", "replay_outputs", "replay_fn", "replay_jvp", "output_value", "forward_reached", "INDEPENDENT"]
@@ -459,11 +459,15 @@ def replay_vjp(spec, tensors, cot, wrt, out_diff, region=None) -> tuple:
         raise CannotReplay("a vmap outside the grad level batches the region: its examples' gradients stay apart")
     out_layers = [_live_layers(lay, level_of) for lay, d in zip(spec.layers[1], out_diff) if d]
     extra, cots = _physical_args(cot, out_layers, level_of, True)
-    vjp_fn = torch.func.vjp(replay_fn(spec, phys, wrt, out_diff, region), *[phys[k] for k in wrt])[1]
-    for _ in extra:
-        vjp_fn = torch.func.vmap(vjp_fn)
-    return _logical(vjp_fn(tuple(cots)), [_live_layers(spec.layers[0][k], level_of) for k in wrt],
-                    [tensors[k].dim() for k in wrt], extra, True)
+    # (on plain tensors, below every level: the replay, and a region nested in it, sees none, as
+    # under plain autograd; a rule's vmap level around it holding no batched tensor made such a
+    # region watch its every tensor as a side output)
+    with below_transforms():
+        vjp_fn = torch.func.vjp(replay_fn(spec, phys, wrt, out_diff, region), *[phys[k] for k in wrt])[1]
+        for _ in extra:
+            vjp_fn = torch.func.vmap(vjp_fn)
+        gin = vjp_fn(tuple(cots))
+    return _logical(gin, [_live_layers(spec.layers[0][k], level_of) for k in wrt], [tensors[k].dim() for k in wrt], extra, True)
 
 
 def _physical_inputs(spec, tensors, below):
