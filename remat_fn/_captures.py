@@ -141,11 +141,9 @@ def swap_view_of(t: torch.Tensor, x: torch.Tensor, counted: bool = True) -> None
 
 
 def note_region_outputs(tensors, first=None) -> None:
-    """A nested region returned these tensors: for the enclosing region's
-    :class:`CaptureMode` the call is one torch call that made them (no torch
-    function sees the ``autograd.Function`` that produced them).  ``first``: the
-    call's side outputs as the caller holds them and the same for the regions nested
-    in it (see :attr:`CaptureMode.first`)."""
+    """A nested region returned these tensors: for the enclosing region's :class:`CaptureMode` the call is
+    one torch call that made them (no torch function sees the ``autograd.Function`` that produced them).
+    ``first``: its side outputs as the caller holds them, and its nested regions' (see CaptureMode.first)."""
     stack = AMBIENT.captures
     if stack:
         stack[-1].region_call(tensors, first)
@@ -246,9 +244,7 @@ class CaptureMode(TorchFunctionMode):
                  grab: dict[int, list[int]] | None = None, late=(),
                  first: dict | None = None):
         super().__init__()
-        # Storages of the tensors the region's own aten ops made (recorded, on a
-        # retry, by a dispatch mode below every functorch level): a tensor whose
-        # storage is among them was made inside, not closed over.
+        # storages the region's own aten ops made (on a retry, by a dispatch mode below every level): made inside
         self.produced = produced
         self._recorder = _Produced(produced) if produced is not None else None
         self.subst = subst
@@ -263,6 +259,8 @@ class CaptureMode(TorchFunctionMode):
         # the region's inputs (and their replacements), which it must not modify
         self.inputs = known.ids() | {id(r) for r in subst.values()} if known is not None else None
         self.input_storages = {p for t in (*inputs, *subst.values()) if (p := storage_ptr(t)) is not None}
+        # (an input's own tensor below its level's wrapper, read as a constant: see aliased)
+        self.bases, self.aliased = {id(b) for t in inputs if (b := unwrap_all(t)) is not t}, False
         self.calls = 0  # torch calls of this region (not of nested regions), in order
         self.made: list[tuple[int, int, weakref.ref]] | None = [] if known is not None else None
         self.grab = grab
@@ -292,6 +290,8 @@ class CaptureMode(TorchFunctionMode):
                 self.hits.add(id(x))
                 return r
             known = self.known
+            if id(x) in self.bases:  # (the function closes over the tensor it is given, differentiated, as a constant:
+                self.aliased = True  # the tape sees one tensor, which a replay would differentiate at both reads)
             if known is not None and x not in known and not self._inner(x):
                 a = self._alias_of_known(x)
                 if a is not None:

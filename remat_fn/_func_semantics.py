@@ -430,7 +430,7 @@ class RegionState:
                  "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
                  "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "batched", "replay", "widen",
-                 "side_objs", "nested_side", "late_objs", "relocate", "check", "fwd", "fwd_only", "fwd_diff", "aborted",
+                 "side_objs", "nested_side", "late_objs", "relocate", "check", "fwd", "fwd_only", "fwd_diff", "aliased", "aborted",
                  "grad_left", "rev", "held_inputs", "rerun_objs", "given_ids", "layers")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
@@ -461,6 +461,7 @@ class RegionState:
         # the inputs reach under no_grad: a tangent is not stopped by it); empty: diff
         self.fwd = False
         self.fwd_only: set[int] = set()
+        self.aliased = False  # the function read an input's own tensor as a constant (see CaptureMode.bases)
         self.fwd_diff: list[bool] = []
         self.aborted: list = []  # weak refs to what a forward that stopped (a try, see MissedCapture) made
         self.keep_graph = False  # the forward's vjp level keeps what autograd saves (see keep_nothing)
@@ -604,6 +605,7 @@ class RegionState:
             self.fwd_hits = mode.hits
             self.foreign = mode.opaque or None  # (.data, hooks, autograd inside: see CaptureMode)
             self.escaped = mode.escaped(outs)
+            self.aliased = mode.aliased
             self.nested_side = mode.nested
             return outs, rebuild
         self.trace.finish(self.name)

@@ -288,14 +288,15 @@ def test_torch_func_path_runs_python_once(how):
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize("how,runs", [("vmap_grad", 1), ("grad_vmap", 2), ("grad_grad", 1)])
+@pytest.mark.parametrize("how,runs", [("vmap_grad", 1), ("grad_vmap", 1), ("grad_grad", 1), ("vmap_grad_vmap", 2)])
 def test_torch_func_path_runs_python_again_where_the_replay_cannot(how, runs):
-    """What the replay does not cover: a vmap inside a grad level around the region (the
-    forward's tape holds the batched ops of a vmap level that backward does not run under)
-    runs the function again (its Python side effects repeat); the ops it skips or redirects
-    keep tensors from outside untouched.  Under ``vmap(grad)`` backward differentiates the
-    forward level's graph under the same vmap levels, and where an outer level
-    differentiates the backward (grad of grad) the recorded forward is replayed through it
+    """What the replay does not cover: a vmap inside a grad level inside another vmap
+    (``vmap(grad(vmap))``: a replay on the tensors below both vmaps would sum an unbatched
+    input's gradient over the outer examples) runs the function again (its Python side
+    effects repeat).  Under ``vmap(grad)`` backward differentiates the forward level's graph
+    under the same vmap levels, under ``grad(vmap)`` it replays the batched ops below the
+    vmap (it ran the function again until this), and where an outer level differentiates the
+    backward (grad of grad) the recorded forward is replayed through it
     (remat_fn._replay_live): the function runs once."""
     calls = []
 
@@ -310,6 +311,9 @@ def test_torch_func_path_runs_python_again_where_the_replay_cannot(how, runs):
     elif how == "grad_vmap":
         got = grad(lambda r: vmap(remat(f))(r).sum())(x)
         want = grad(lambda r: vmap(lambda s: s.exp().sin())(r).sum())(x)
+    elif how == "vmap_grad_vmap":
+        got = vmap(grad(lambda r: vmap(remat(f))(r).sum()))(x[None].expand(2, *x.shape))
+        want = vmap(grad(lambda r: vmap(lambda s: s.exp().sin())(r).sum()))(x[None].expand(2, *x.shape))
     else:
         got = grad(lambda r: grad(lambda s: remat(f)(s).sum())(r).sum())(x)
         want = grad(lambda r: grad(lambda s: s.exp().sin().sum())(r).sum())(x)

@@ -141,3 +141,25 @@ def test_nested_regions_with_a_no_grad_view_side_output_under_grad_of_vmap(depth
     def run(wrap):
         return grad(lambda x, c: vmap(prog(wrap))(x, c).sum(), argnums=(0, 1))(xb, cb)
     assert_tree_close(run(remat), run(ident), rtol=1e-10, atol=1e-10)
+
+
+_CLOSED = {
+    "grad_vmap": lambda g, w0: grad(lambda w: vmap(g, in_dims=(0, None))(_XB, w).pow(2).sum())(w0),
+    "jacrev_vmap": lambda g, w0: jacrev(lambda w: vmap(g, in_dims=(0, None))(_XB, w).sum(0))(w0),
+    "grad_vmap_vmap": lambda g, w0: grad(lambda w: vmap(vmap(g, in_dims=(0, None)), in_dims=(0, None))(
+        torch.stack([_XB, -_XB]), w).pow(2).sum())(w0),
+    "grad_of_grad": lambda g, w0: grad(lambda w: grad(lambda v: g(_XB[0], v).pow(2).sum())(w).pow(2).sum())(w0),
+}
+
+
+@pytest.mark.parametrize("transform", list(_CLOSED))
+def test_function_closing_over_the_tensor_it_is_given(transform):
+    # Found by a hostile pass: f reads w0 from its closure (a constant to every transform) and is
+    # given the same object as its differentiated argument.  The tape sees one tensor, so a replay
+    # differentiated both reads: under grad(vmap) (new with this replay) and grad of grad (older)
+    # the gradient was off (0.84 for plain's -1.05), silently.  Such a forward keeps no replay.
+    w0 = torch.randn(4, dtype=D, generator=_G)
+
+    def f(x, w):
+        return (x * w).sin() * w0.cos()
+    assert_tree_close(_CLOSED[transform](remat(f), w0), _CLOSED[transform](f, w0), rtol=1e-10, atol=1e-10)
