@@ -20,7 +20,7 @@ __all__ = [
     "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead",
     "forward_mode_active", "forward_mode_at", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
     "requires_grad_anywhere", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
-    "draws_batched", "batch_layers", "rebatch", "grad_on_top", "vmaps_outermost", "current_level", "grad_mode_at",
+    "draws_batched", "batch_layers", "rebatch", "sum_levels", "grad_on_top", "vmaps_outermost", "current_level", "grad_mode_at",
     "wrap_at_top", "differentiable", "peel_vmaps", "to_physical", "from_physical",
 ]
 
@@ -184,6 +184,23 @@ def _labels(n: int, layers) -> list:
     for level, bdim in reversed(layers):
         names.insert(bdim, (level,))
     return names
+
+
+def sum_levels(peeled, levels: set):
+    """``peeled`` (see :func:`peel_vmaps`) summed over the batch dims of ``levels``: the cotangent of a
+    result none of those levels batches (reverse mode: each example's cotangent adds up)."""
+    x, have, top = peeled
+    names = _labels(x.dim() - len(have), have)
+    drop = [names.index((lv,)) for lv, _ in have if lv in levels]
+    if not drop:
+        return peeled
+    names = [d for d in names if not (type(d) is tuple and d[0] in levels)]
+    kept = []
+    for lv, _ in have:  # (innermost first: each batch dim where it is once the inner ones are gone)
+        if lv not in levels:
+            kept.append((lv, names.index((lv,))))
+            names.remove((lv,))
+    return x.sum(drop), kept, top
 
 
 def to_physical(peeled, layers, sizes: dict[int, int], extra: list[int]) -> torch.Tensor | None:

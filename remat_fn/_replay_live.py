@@ -40,7 +40,7 @@ import torch
 
 from ._func_semantics import replace_at
 from ._function_steps import FunctionStep, apply_step, plan_steps
-from ._functorch import from_physical, is_vmap_kind, live_levels, peel_vmaps, to_physical, unwrap_all, vmap_sizes
+from ._functorch import from_physical, is_vmap_kind, live_levels, peel_vmaps, sum_levels, to_physical, unwrap_all, vmap_sizes
 from ._ops import ALIASING, DETACH, arg_meta, no_autocast, reenter, run_recorded
 from ._tape import Value
 from ._torch_internals import DisableFuncTorch, TorchDispatchMode, below_transforms
@@ -501,6 +501,8 @@ def _physical_args(args, layers, level_of, below) -> tuple[list, list]:
     if any(p is None for p in peeled):
         raise CannotReplay("a tangent is wrapped at another level")
     mine = set(level_of.values())
+    if below:  # (cotangents: where the recorded result is not batched at a level of the rule's, summed over it)
+        peeled = [sum_levels(p, {lv for lv, _ in p[1]} & mine - {lv for lv, _ in lay}) for p, lay in zip(peeled, layers)]
     extra = sorted({lv for p in peeled for lv, _ in p[1]} - mine)
     if extra and mine and not (extra[0] > max(mine) or extra[-1] < min(mine)):
         raise CannotReplay("a tangent is batched at a level between the primals' levels")
