@@ -42,7 +42,7 @@ the plain call) and ``dots`` (``policies.dots_saveable``, matmul-like ops only).
 Modes (``REMAT_OPDB`` environment variable):
 
 * unset (default, plain ``pytest``): every op, its first sample, the cells in
-  ``DEFAULT_CELLS`` (~4,900 tests; about 3 minutes on 2 cores).
+  ``DEFAULT_CELLS`` (~6,000 tests; about 3 minutes on 2 cores).
 * ``REMAT_OPDB=full``: every cell of every op, its first ``FULL_SAMPLES`` samples
   (2; ``REMAT_OPDB_SAMPLES=n`` for more) (~13,500 tests; about 5 minutes on 2
   idle cores).

@@ -21,7 +21,7 @@ from torch.func import grad, hessian, jacrev, vjp, vmap
 from remat_fn import remat
 
 from ._util import assert_tree_close, ident
-from .test_vmap_forward_replay import _CASES, _program
+from .test_vmap_forward_replay import _CASES, compare_with_plain
 
 D = torch.float64
 _G = torch.Generator().manual_seed(48)
@@ -79,17 +79,7 @@ _BACKWARD_RUNS_AGAIN = {"hessian_vmap", "vmap_grad_vmap", "eager_double_around_v
 def test_function_runs_once_under_reverse_mode_around_vmap(transform, case):
     if transform == "grad_vmap_out_dims_1" and case == "output_not_batched":
         pytest.skip("plain code fails: vmap's out_dims=1 expands an unbatched 1-d output to the wrong shape")
-    run = _TRANSFORMS[transform]
-    calls_plain: list = []
-    calls_remat: list = []
-    box_plain: list = []
-    box_remat: list = []
-    want = run(_program(case, ident, calls_plain, box_plain))
-    got = run(_program(case, remat, calls_remat, box_remat))
-    assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
-    if transform not in _BACKWARD_RUNS_AGAIN:
-        assert len(calls_remat) == len(calls_plain)
-        assert len(box_remat) == len(box_plain)
+    compare_with_plain(_TRANSFORMS[transform], case, transform not in _BACKWARD_RUNS_AGAIN)
 
 
 def test_nested_region_storing_an_unbatched_input_under_grad_of_vmap():
