@@ -66,7 +66,6 @@ from ._func_semantics import (
     RegionState,
     check_lazy_outputs,
     check_unsure,
-    checked_outputs,
     connect_side_outputs,
     deep_enough,
     distinct_inputs,
@@ -76,8 +75,6 @@ from ._func_semantics import (
     out_meta,
     plan_rerun,
     primal_under_vjp,
-    random_in_vmap,
-    replace_at,
     saved_inputs,
     stale_side_outputs,
     undo_forward,
@@ -97,7 +94,6 @@ from ._functorch import (
     needs_grad,
     requires_grad_anywhere,
     storage_ptr,
-    transform_kinds,
     unwrap_all,
     unwrap_if_dead,
     version_alias,
@@ -105,9 +101,10 @@ from ._functorch import (
 )
 from ._offload import FuncInputs, hint, input_offloads
 from ._profile import storage_bytes
-from ._record import Diverged, Record, recording_tapes, saving
+from ._record import Record, recording_tapes, saving
 from ._region import RegionCall, entered, region_depth
 from ._replay_live import CannotReplay, forward_reached, output_value, replay_fn, replay_jvp, replay_vjp
+from ._rerun import check_again, recompute_fn, rerun_vjp
 from ._rng_state import RNGSnapshot
 from ._tape import Tape, Value
 from ._torch_internals import top_hooks, use_count
@@ -345,7 +342,7 @@ class _RematFunction(torch.autograd.Function):
         detach = can_drop_graph(ctx.saved_tensors, grads)
         grads = tuple(unwrap_if_dead(g) if g is not None else None for g in grads)
         if spec.check and (spec.graph is not None or _replayable(spec)):  # (strict checks: debug, early_stop=False)
-            _check(spec, tensors, wrt, out_diff, detach, _cotangents(spec, grads, out_diff))
+            check_again(spec, tensors, wrt, out_diff, detach, _cotangents(spec, grads, out_diff))
         # (grad mode off: nothing records this backward; a forward-mode level would, see from_graph)
         quiet = (detach or not torch.is_grad_enabled()) and not forward_mode_active()
         if quiet and spec.graph is not None and (not spec.batched or grad_on_top()):  # (batched saved tensors: see rebatch)
@@ -368,7 +365,7 @@ class _RematFunction(torch.autograd.Function):
             except CannotReplay:
                 spec.out_values = None  # (the function runs again, now and from now on)
         if gin is None:
-            gin = _rerun_vjp(spec, tensors, wrt, out_diff, detach, cot, start)
+            gin = rerun_vjp(spec, tensors, wrt, out_diff, detach, cot, start)
         for i, g in zip(wrt, gin):
             result[i + 1] = g
         return tuple(result)
@@ -388,7 +385,7 @@ class _RematFunction(torch.autograd.Function):
             except CannotReplay:
                 spec.out_values = None
         if touts is None:  # (inside apply: the caller's objects get views of the side outputs, see connect_side_outputs)
-            f = _recompute_fn(spec, tensors, wrt, out_diff, spec.rerun_objs)
+            f = recompute_fn(spec, tensors, wrt, out_diff, spec.rerun_objs)
             if spec.foreign == "autograd":  # (autograd called inside: under a vjp level, as the forward ran)
                 f = functools.partial(primal_under_vjp, f)
             with spec.rng or _NULL, spec.autocast:  # forward mode: recompute everything
@@ -421,63 +418,10 @@ def _cotangents(spec: RegionState, grads, out_diff) -> tuple:
                  for g, m, d in zip(grads, spec.out_meta, out_diff) if d)
 
 
-def _check(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot) -> None:
-    """The strict checks' run again (``debug=True``, ``early_stop=False``), checked against the
-    forward; its gradient unused.  A failure of torch's own inside that run (functorch asserts
-    under some nestings of side outputs) is named: the gradient does not depend on it."""
-    try:
-        _rerun_vjp(spec, tensors, wrt, out_diff, detach, cot, time.perf_counter())
-    except RematError:
-        raise
-    except Exception as e:
-        kinds = ", ".join(k.split(".")[-1].lower() for k in transform_kinds()) or "none"
-        raise RematError(
-            f"remat({spec.name}): the strict check (debug=True or early_stop=False) runs the function again in "
-            f"backward, and that run failed under the active transforms ({kinds}): "
-            f"{type(e).__name__}: {str(e)[:300]}. The gradient does not come from that run. Fix: check the function "
-            "under torch.func.grad, vjp or eager autograd, and pass debug=False (and no early_stop=False) here."
-        ) from e
-
-
 def _run_span(fun, name: str, opts, args: tuple):
     """A region nested in a replayed one, run as a region of its own (see remat_fn._replay_live)."""
     with entered():  # (one region deeper, as remat's call enters it: its Function is no op of the enclosing one's)
         return run_torch_func(RegionCall(fun, name, opts, args, {}))
-
-
-def _rerun_vjp(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot, start: float):
-    """Backward by running the region again under ``torch.func.vjp`` (where no replay of
-    the recorded forward stands in for it): the input gradients for ``cot``."""
-    f = _recompute_fn(spec, tensors, wrt, out_diff)
-    # (ops whose results backward does not need are skipped where nothing outside differentiates it, see Tape.plan)
-    plan = spec.plan if detach else None
-
-    def rerun(tape, plan):
-        with spec.rng or _NULL, saving(spec.rec, recompute=True, tape=tape, plan=plan), random_in_vmap(spec.name):
-            return torch.func.vjp(f, *[tensors[i] for i in wrt])[1]
-
-    with torch.no_grad() if detach else _NULL:
-        with spec.autocast:  # (the forward's autocast for the forward again; its backward, as autograd's, without)
-            try:
-                vjp_fn = rerun(spec.tape, plan)
-            except Diverged:  # (after placeholders: again, computing everything)
-                vjp_fn = rerun(None, None)
-        if spec.prof is not None:
-            spec.prof.record_recompute(spec.name, time.perf_counter() - start)
-        return vjp_fn(cot)
-
-
-def _recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None = None):
-    """The region as a function of its differentiated inputs, returning its differentiable outputs
-    (``side``: receives its side outputs, which the run left in the caller's objects)."""
-    def f(*diff_inputs):
-        with torch.set_grad_enabled(spec.grad_mode):  # (the caller's mode, as the forward ran it)
-            outs = checked_outputs(spec, spec.call(replace_at(tensors, wrt, diff_inputs), None, side is not None)[0])
-        if side is not None:
-            side[:] = outs[spec.n_out:]
-        return tuple(o for o, d in zip(outs, out_diff) if d)
-
-    return f
 
 
 def run_torch_func(call: RegionCall, calls_torch_func: bool = False):

@@ -162,19 +162,19 @@ def test_debug_check_under_nested_side_outputs_and_the_region_works_without_it()
 
 
 def test_debug_check_failing_inside_torch_is_a_named_error():
-    # (_check's naming of a failure inside torch during the check's run, the gradient not depending on it)
-    import remat_fn._path_torch_func as ptf
+    # (check_again's naming of a failure inside torch during the check's run, the gradient not depending on it)
+    import remat_fn._rerun as rerun
 
     def boom(*a, **k):
         raise RuntimeError("INTERNAL ASSERT FAILED (stand-in)")
 
-    old = ptf._rerun_vjp
-    ptf._rerun_vjp = boom
+    old = rerun.rerun_vjp
+    rerun.rerun_vjp = boom
     try:
         with pytest.raises(RematError, match=r"strict check .* failed under the active transforms .*Fix: check the function"):
             grad(_debug(lambda x: (x.sin() * x).sum()))(_X)
     finally:
-        ptf._rerun_vjp = old
+        rerun.rerun_vjp = old
 
 
 @pytest.mark.parametrize("mode", ["debug", "early_stop_false", "forward_ad"])

@@ -1,0 +1,75 @@
+"""The ``torch.func`` path's runs again of the function: where no replay of the recorded forward
+stands in for it (docs/design.md, "still runs again"), and the strict checks (``debug=True``,
+``early_stop=False``), whose run again in backward is checked against the forward and whose
+gradient is unused.  Each runs the user's Python, its ops checked op by op against the forward
+(see RegionState.call); the ops backward does not need are placeholders where nothing outside
+differentiates the backward (see Tape.plan)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from ._errors import RematError
+from ._func_semantics import RegionState, checked_outputs, random_in_vmap, replace_at
+from ._functorch import transform_kinds
+from ._record import Diverged, saving
+
+__all__ = ["check_again", "rerun_vjp", "recompute_fn"]
+
+_NULL = contextlib.nullcontext()
+
+
+def check_again(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot) -> None:
+    """The strict checks' run again (``debug=True``, ``early_stop=False``), checked against the
+    forward; its gradient unused.  A failure of torch's own inside that run (functorch asserts
+    under some nestings of side outputs) is named: the gradient does not depend on it."""
+    try:
+        rerun_vjp(spec, tensors, wrt, out_diff, detach, cot, time.perf_counter())
+    except RematError:
+        raise
+    except Exception as e:
+        kinds = ", ".join(k.split(".")[-1].lower() for k in transform_kinds()) or "none"
+        raise RematError(
+            f"remat({spec.name}): the strict check (debug=True or early_stop=False) runs the function again in "
+            f"backward, and that run failed under the active transforms ({kinds}): "
+            f"{type(e).__name__}: {str(e)[:300]}. The gradient does not come from that run. Fix: check the function "
+            "under torch.func.grad, vjp or eager autograd, and pass debug=False (and no early_stop=False) here."
+        ) from e
+
+
+def rerun_vjp(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot, start: float):
+    """Backward by running the region again under ``torch.func.vjp`` (where no replay of
+    the recorded forward stands in for it): the input gradients for ``cot``."""
+    f = recompute_fn(spec, tensors, wrt, out_diff)
+    # (ops whose results backward does not need are skipped where nothing outside differentiates it, see Tape.plan)
+    plan = spec.plan if detach else None
+
+    def rerun(tape, plan):
+        with spec.rng or _NULL, saving(spec.rec, recompute=True, tape=tape, plan=plan), random_in_vmap(spec.name):
+            return torch.func.vjp(f, *[tensors[i] for i in wrt])[1]
+
+    with torch.no_grad() if detach else _NULL:
+        with spec.autocast:  # (the forward's autocast for the forward again; its backward, as autograd's, without)
+            try:
+                vjp_fn = rerun(spec.tape, plan)
+            except Diverged:  # (after placeholders: again, computing everything)
+                vjp_fn = rerun(None, None)
+        if spec.prof is not None:
+            spec.prof.record_recompute(spec.name, time.perf_counter() - start)
+        return vjp_fn(cot)
+
+
+def recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None = None):
+    """The region as a function of its differentiated inputs, returning its differentiable outputs
+    (``side``: receives its side outputs, which the run left in the caller's objects)."""
+    def f(*diff_inputs):
+        with torch.set_grad_enabled(spec.grad_mode):  # (the caller's mode, as the forward ran it)
+            outs = checked_outputs(spec, spec.call(replace_at(tensors, wrt, diff_inputs), None, side is not None)[0])
+        if side is not None:
+            side[:] = outs[spec.n_out:]
+        return tuple(o for o, d in zip(outs, out_diff) if d)
+
+    return f
