@@ -237,12 +237,12 @@ def from_physical(y: torch.Tensor, layers, n_logical: int, extra: list[int], bel
         return None
     y = got[0]
     # (wrappers nest outward by level: extra levels outside the others, ``jacfwd(vmap(f))``'s basis, go on first)
-    below = bool(extra and layers) and extra[-1] < min(level for level, _ in layers)
-    for k, level in enumerate(extra if below else ()):
+    extra_first = bool(extra and layers) and extra[-1] < min(level for level, _ in layers)
+    for k, level in enumerate(extra if extra_first else ()):
         y = C._add_batch_dim(y, y.dim() - (len(extra) - k), level)
     for level, bdim in layers:
         y = C._add_batch_dim(y, bdim, level)
-    for k, level in enumerate(() if below else extra):
+    for k, level in enumerate(() if extra_first else extra):
         y = C._add_batch_dim(y, y.dim() - (len(extra) - k), level)
     return y
 

@@ -353,8 +353,9 @@ class _RematFunction(torch.autograd.Function):
         # region, under vmap): the regions nested in it replay as regions of their own
         gin = None
         # (replay_vjp: nothing differentiates this backward; grad mode off says so under vmaps alone, not under a grad level)
-        eager = not torch.is_grad_enabled() and all(is_vmap_kind(k) for k in live_levels().values())
-        if _replayable(spec, (detach or eager) and spec.layers is not None and not vmaps_outermost(spec.levels)):
+        batched = spec.layers is not None and not vmaps_outermost(spec.levels) and (
+            detach or (not torch.is_grad_enabled() and all(is_vmap_kind(k) for k in live_levels().values())))
+        if _replayable(spec, batched):
             try:
                 with torch.no_grad() if detach else _NULL:
                     vjp_fn = functools.partial(replay_vjp, spec, tensors, wrt=wrt, out_diff=out_diff, region=_run_span) \
