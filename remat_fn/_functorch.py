@@ -149,12 +149,22 @@ def rebatch(t: torch.Tensor, layers) -> torch.Tensor:
     return wrap_at_top(t)
 
 
-def peel_vmaps(t: torch.Tensor, below: bool | None = None):
+def peel_vmaps(t: torch.Tensor, below: bool | None = None, above: int | None = None):
     """``(plain tensor, [(level, bdim)] innermost first, [levels of the other wrappers above
     them]``) for ``t`` (a tensor in a custom Function's jvp rule under ``vmap`` levels only, the
     rule's own level above them: the innermost active one, or one above it), or None where
     another level wraps it (a ``grad`` between the vmaps and the jvp, which the replay on the
-    plain tensors would cut off: ``vmap(grad(jvp))``)."""
+    plain tensors would cut off: ``vmap(grad(jvp))``).  ``above``: only the vmap wrappers of
+    levels above it are taken off (the tensor left is wrapped at the levels that differentiate
+    a backward, ``hessian(vmap(f))``); None where a wrapper above it is not a vmap's."""
+    if above is not None:
+        layers = []
+        while C.is_functorch_wrapped_tensor(t) and C.maybe_get_level(t) > above:
+            if not C.is_batchedtensor(t):
+                return None
+            layers.append((C.maybe_get_level(t), C.maybe_get_bdim(t)))
+            t = C.get_unwrapped(t)
+        return t, layers[::-1], []
     top = []
     own = current_level()
     # (a jvp level's wrapper below the rule's own level, ``jvp(vmap(f))``, where no grad level is
@@ -228,11 +238,12 @@ def to_physical(peeled, layers, sizes: dict[int, int], extra: list[int]) -> torc
     return x
 
 
-def from_physical(y: torch.Tensor, layers, n_logical: int, extra: list[int], below: bool | None = None) -> torch.Tensor | None:
+def from_physical(y: torch.Tensor, layers, n_logical: int, extra: list[int], below: bool | None = None,
+                  above: int | None = None) -> torch.Tensor | None:
     """The inverse of :func:`to_physical` for a result ``y``: a plain tensor batched at ``layers``
     (innermost first) of ``n_logical`` logical dims, then at ``extra`` (its last dims); wrapped at
-    ``layers`` and then at ``extra``.  None where ``y`` is not so (``below``: see peel_vmaps)."""
-    got = peel_vmaps(y, below)  # (below the wrappers of the rule's own levels)
+    ``layers`` and then at ``extra``.  None where ``y`` is not so (``below``, ``above``: see peel_vmaps)."""
+    got = peel_vmaps(y, below, above)  # (below the wrappers of the rule's own levels)
     if got is None or got[1] or got[0].dim() != n_logical + len(layers) + len(extra):
         return None
     y = got[0]

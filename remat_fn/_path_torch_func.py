@@ -352,14 +352,14 @@ class _RematFunction(torch.autograd.Function):
         # The recorded forward, replayed (where an outer transform differentiates this backward, for a nested
         # region, under vmap): the regions nested in it replay as regions of their own
         gin = None
-        # (replay_vjp: nothing differentiates this backward; grad mode off says so under vmaps alone, not under a grad level)
-        batched = spec.layers is not None and not vmaps_outermost(spec.levels) and (
-            detach or (not torch.is_grad_enabled() and all(is_vmap_kind(k) for k in live_levels().values())))
+        batched = spec.layers is not None and not vmaps_outermost(spec.levels)
         if _replayable(spec, batched):
             try:
                 with torch.no_grad() if detach else _NULL:
-                    vjp_fn = functools.partial(replay_vjp, spec, tensors, wrt=wrt, out_diff=out_diff, region=_run_span) \
-                        if spec.batched else torch.func.vjp(replay_fn(spec, tensors, wrt, out_diff, _run_span), *[tensors[i] for i in wrt])[1]
+                    # (replay_vjp, quiet: nothing differentiates this backward; grad mode off says so under
+                    # vmaps alone, not under a grad level)
+                    vjp_fn = functools.partial(replay_vjp, spec, tensors, wrt=wrt, out_diff=out_diff, region=_run_span, quiet=detach or (
+                        not torch.is_grad_enabled() and all(is_vmap_kind(k) for k in live_levels().values()))) if spec.batched else torch.func.vjp(replay_fn(spec, tensors, wrt, out_diff, _run_span), *[tensors[i] for i in wrt])[1]
                     if spec.prof is not None:
                         spec.prof.record_recompute(spec.name, time.perf_counter() - start)
                     gin = vjp_fn(cot)

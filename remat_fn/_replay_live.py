@@ -43,7 +43,7 @@ from ._function_steps import FunctionStep, apply_step, plan_steps
 from ._functorch import from_physical, is_vmap_kind, live_levels, peel_vmaps, sum_levels, to_physical, unwrap_all, vmap_sizes
 from ._ops import ALIASING, DETACH, arg_meta, no_autocast, reenter, run_recorded
 from ._tape import Value
-from ._torch_internals import DisableFuncTorch, TorchDispatchMode, below_transforms
+from ._torch_internals import DisableFuncTorch, TorchDispatchMode, below_level, below_transforms
 from ._unseen import unseen_alias
 
 __all__ = ["CannotReplay", "replay_outputs", "replay_fn", "replay_jvp", "output_value", "forward_reached", "INDEPENDENT"]
@@ -428,9 +428,9 @@ def replay_jvp(spec, tensors, tangents, wrt, out_diff, region=None) -> tuple:
     if not spec.batched:
         return torch.func.jvp(replay_fn(spec, tensors, wrt, out_diff, region), tuple(tensors[i] for i in wrt),
                               tuple(tangents[i] for i in wrt))[1]
-    phys, live, level_of = _physical_inputs(spec, tensors, None)
+    phys, live, level_of = _physical_inputs(spec, tensors, {})
     out_layers = [lay for lay, d in zip(spec.layers[1], out_diff) if d]
-    extra, tans = _physical_args([tangents[k] for k in wrt], [live[k] for k in wrt], level_of, None)
+    extra, tans = _physical_args([tangents[k] for k in wrt], [live[k] for k in wrt], level_of, {})
     for k in wrt:  # (a dual of a tensor whose elements share memory (an expanded batch) is refused: its copy)
         if any(st == 0 and n > 1 for st, n in zip(phys[k].stride(), phys[k].shape)):
             phys[k] = phys[k].contiguous()
@@ -443,40 +443,46 @@ def replay_jvp(spec, tensors, tangents, wrt, out_diff, region=None) -> tuple:
     for _ in extra:
         push = torch.func.vmap(push)
     metas = [m for m, d in zip(spec.out_meta, out_diff) if d]
-    return _logical(push(*tans), [_live_layers(lay, level_of) for lay in out_layers], [len(m[0]) for m in metas], extra, None)
+    return _logical(push(*tans), [_live_layers(lay, level_of) for lay in out_layers], [len(m[0]) for m in metas], extra, {})
 
 
-def replay_vjp(spec, tensors, cot, wrt, out_diff, region=None) -> tuple:
+def replay_vjp(spec, tensors, cot, wrt, out_diff, region=None, quiet: bool = True) -> tuple:
     """The Function's ``backward`` where ``vmap`` levels inside the grad level batch the region
-    (``grad(vmap(f))``, ``jacrev(vmap(f))``) and nothing differentiates the backward: the input
-    gradients for the cotangents ``cot``, pulled back through the recorded forward on the batched
-    tensors below the vmaps (the rule's own vmap levels, torch's generated vmap rule's, stand in
-    order for the forward's), laid out as in :func:`replay_jvp`.  An input the vmaps do not batch
-    gets its gradient summed over the batch, as plain code's.  The function's Python does not run."""
-    phys, _, level_of = _physical_inputs(spec, tensors, True)
+    (``grad(vmap(f))``, ``jacrev(vmap(f))``): the input gradients for the cotangents ``cot``, pulled
+    back through the recorded forward on the batched tensors below the vmaps (the rule's own vmap
+    levels, torch's generated vmap rule's, stand in order for the forward's), laid out as in
+    :func:`replay_jvp`.  An input the vmaps do not batch gets its gradient summed over the batch,
+    as plain code's.  ``quiet``: nothing differentiates the backward, which runs below every level;
+    otherwise (``hessian(vmap(f))``, ``grad(grad(vmap(f)))``, ``create_graph=True`` around ``vmap(f)``)
+    below the rule's vmap levels only, so that the levels outside, and autograd, differentiate the
+    replay as they would the function.  The function's Python does not run."""
     outer = [lv for lv, kind in live_levels().items() if not is_vmap_kind(kind)]
+    how = {"below": True} if quiet else {"above": max(outer, default=0)}
+    phys, _, level_of = _physical_inputs(spec, tensors, how)
     if outer and any(lv < max(outer) for lv in level_of.values()):  # (vmap(grad(vmap(f))))
         raise CannotReplay("a vmap outside the grad level batches the region: its examples' gradients stay apart")
     out_layers = [_live_layers(lay, level_of) for lay, d in zip(spec.layers[1], out_diff) if d]
-    extra, cots = _physical_args(cot, out_layers, level_of, True)
+    extra, cots = _physical_args(cot, out_layers, level_of, how)
     # (on plain tensors, below every level: the replay, and a region nested in it, sees none, as
     # under plain autograd; a rule's vmap level around it holding no batched tensor made such a
-    # region watch its every tensor as a side output)
-    with below_transforms():
+    # region watch its every tensor as a side output.  Not quiet: below the levels inside the
+    # outermost differentiating one, all vmaps, whose wrappers are off every tensor)
+    with below_transforms() if quiet else below_level(how["above"]):
         vjp_fn = torch.func.vjp(replay_fn(spec, phys, wrt, out_diff, region), *[phys[k] for k in wrt])[1]
         for _ in extra:
             vjp_fn = torch.func.vmap(vjp_fn)
         gin = vjp_fn(tuple(cots))
-    return _logical(gin, [_live_layers(spec.layers[0][k], level_of) for k in wrt], [tensors[k].dim() for k in wrt], extra, True)
+    return _logical(gin, [_live_layers(spec.layers[0][k], level_of) for k in wrt], [tensors[k].dim() for k in wrt], extra, how)
 
 
-def _physical_inputs(spec, tensors, below):
+def _physical_inputs(spec, tensors, how):
     """The region's inputs as the tape read them (below their vmap wrappers), their live ``(level,
-    bdim)``, and the live level standing for each of the forward's (see replay_jvp)."""
+    bdim)``, and the live level standing for each of the forward's (see replay_jvp).  ``how``: which
+    wrappers come off (see peel_vmaps)."""
     level_of: dict[int, int] = {}
     phys, live = [], []
     for t, lay in zip(tensors, spec.layers[0]):
-        got = peel_vmaps(t, below)
+        got = peel_vmaps(t, **how)
         if got is None or len(got[1]) != len(lay):
             raise CannotReplay("the rule's inputs are not batched as the forward's were")
         x, have, _ = got
@@ -494,14 +500,14 @@ def _live_layers(lay, level_of) -> list:
     return [(level_of[fresh], bdim) for fresh, bdim in lay]
 
 
-def _physical_args(args, layers, level_of, below) -> tuple[list, list]:
+def _physical_args(args, layers, level_of, how) -> tuple[list, list]:
     """Tangents or cotangents ``args`` laid out as the plain tensors of ``layers`` (see
     to_physical), their own vmap levels (``extra``: jacfwd's or jacrev's basis) first."""
-    peeled = [peel_vmaps(a, below) for a in args]
+    peeled = [peel_vmaps(a, **how) for a in args]
     if any(p is None for p in peeled):
         raise CannotReplay("a tangent is wrapped at another level")
     mine = set(level_of.values())
-    if below:  # (cotangents: where the recorded result is not batched at a level of the rule's, summed over it)
+    if how:  # (cotangents: where the recorded result is not batched at a level of the rule's, summed over it)
         peeled = [sum_levels(p, {lv for lv, _ in p[1]} & mine - {lv for lv, _ in lay}) for p, lay in zip(peeled, layers)]
     extra = sorted({lv for p in peeled for lv, _ in p[1]} - mine)
     if extra and mine and not (extra[0] > max(mine) or extra[-1] < min(mine)):
@@ -516,12 +522,12 @@ def _physical_args(args, layers, level_of, below) -> tuple[list, list]:
     return extra, out
 
 
-def _logical(ys, layers, dims, extra, below) -> tuple:
+def _logical(ys, layers, dims, extra, how) -> tuple:
     """Results ``ys`` of the physical replay (``extra`` levels first) batched again at ``layers``."""
     out = []
     for y, lay, n in zip(ys, layers, dims):
         y = y.movedim(tuple(range(len(extra))), tuple(range(y.dim() - len(extra), y.dim())))
-        t = from_physical(y, lay, n, extra, below)
+        t = from_physical(y, lay, n, extra, **how)
         if t is None:
             raise CannotReplay("a result is not batched as its tensor")
         out.append(t)

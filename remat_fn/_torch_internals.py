@@ -44,6 +44,7 @@ Notes, cited from the code as ``NOTE [name]``:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import sys
@@ -57,7 +58,7 @@ __all__ = [
     "DisableTorchFunction", "DisableFuncTorch", "DisableTorchDispatch", "dispatch_stack_len", "function_mode_enabled", "TorchDispatchMode",
     "disable_current_modes", "mode_stack", "tree_leaves", "FakeTensorMode", "OpOverload", "OpOverloadPacket",
     "assert_async", "CachingTorchDispatchMode", "checkpoint_flag", "forward_ad_level", "version",
-    "is_view", "use_count", "schema", "saved_tensor_attrs", "below_transforms",
+    "is_view", "use_count", "schema", "saved_tensor_attrs", "below_transforms", "below_level",
 ]
 
 SUPPORTED_TORCH = ">=2.12,<2.16"
@@ -110,6 +111,23 @@ functorch_active = _attr(torch._C, "torch._C", "_are_functorch_transforms_active
 custom_function_call = _from("torch._functorch.autograd_function", "custom_function_call")
 # every functorch level set aside (as ``Function.apply`` runs a forward at the base level)
 below_transforms = _from("torch._functorch.pyfunctorch", "temporarily_clear_interpreter_stack")
+_pop_layer = _attr(functorch, "torch._C._functorch", "pop_dynamic_layer_stack")
+_push_layer = _attr(functorch, "torch._C._functorch", "push_dynamic_layer_stack")
+_peek_layer = _attr(functorch, "torch._C._functorch", "peek_interpreter_stack")
+
+
+@contextlib.contextmanager
+def below_level(level: int):
+    """The functorch levels above ``level`` set aside (the innermost ones), as
+    :data:`below_transforms` sets aside every level."""
+    stack = []
+    try:
+        while (top := _peek_layer()) is not None and top.level() > level:
+            stack.append(_pop_layer())
+        yield
+    finally:
+        while stack:
+            _push_layer(stack.pop())
 
 # modes
 DisableTorchFunction = _attr(torch._C, "torch._C", "DisableTorchFunction")
