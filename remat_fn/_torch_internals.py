@@ -109,6 +109,7 @@ functorch_active = _attr(torch._C, "torch._C", "_are_functorch_transforms_active
 # calls this higher-order op (a torch function mode sees it), and the graph's node is of a
 # class generated per level, whose ``forward`` closes over the user's class
 custom_function_call = _from("torch._functorch.autograd_function", "custom_function_call")
+_GENERATED = "torch._functorch.autograd_function"  # (the module of the classes it generates)
 # every functorch level set aside (as ``Function.apply`` runs a forward at the base level)
 below_transforms = _from("torch._functorch.pyfunctorch", "temporarily_clear_interpreter_stack")
 _pop_layer = _attr(functorch, "torch._C._functorch", "pop_dynamic_layer_stack")
@@ -204,13 +205,26 @@ def function_class(node: Any) -> Any:
     own class, or the one functorch generated for it at a level, NOTE [custom Functions
     under functorch]); None for any other node."""
     cls = getattr(node, "_forward_cls", None)
-    if cls is None or issubclass(cls, torch.autograd.Function):
-        return cls and cls.__dict__.get("remat_fn_replay_of", cls)  # (a replay's subclass: the user's class)
-    for cell in getattr(cls.forward, "__closure__", None) or ():  # (a _SingleLevelFunction)
+    if cls is None:
+        return None
+    if not issubclass(cls, torch.autograd.Function):  # (a _SingleLevelFunction)
+        cls = _closed_class(cls) or cls
+    # (under vmap, the class torch's generated vmap rule makes, one per vmap level, whose forward closes
+    # over the class it batches: a region's own is taken for the region's, vmap(vmap(remat(f))) too)
+    inner = cls
+    while inner is not None and inner.__module__ == _GENERATED and inner.__name__.startswith("Vmapped"):
+        inner = _closed_class(inner)
+    if inner is not None and inner.__dict__.get("remat_fn_region"):
+        cls = inner
+    return cls.__dict__.get("remat_fn_replay_of", cls)  # (a replay's subclass: the user's class)
+
+
+def _closed_class(cls: Any) -> Any:
+    for cell in getattr(cls.forward, "__closure__", None) or ():
         c = cell.cell_contents
         if isinstance(c, type) and issubclass(c, torch.autograd.Function):
-            return c.__dict__.get("remat_fn_replay_of", c)
-    return cls
+            return c
+    return None
 
 
 def saved_tensor_attrs(node: Any) -> tuple[str, ...]:
