@@ -235,3 +235,35 @@ def test_torch_func_inside_a_region_after_a_side_output(uses_h):
     with pytest.raises(RematError, match="try that stopped.*Fix: return it"):
         loss(r)
     _close(loss(r), want)
+
+
+@pytest.mark.parametrize("transform", ["grad", "grad_of_vmap", "eager"])
+def test_vmap_inside_a_region_runs_it_again_on_its_first_call_only(transform):
+    # A torch.func.vmap's output is made where no torch function sees it: the region's first call
+    # under torch.func runs the function again to find what its ops made.  Its later calls record
+    # that from the start and run it once (every call ran it twice before).
+    xb = torch.randn(3, 2, 4, dtype=D, generator=torch.Generator().manual_seed(3))
+    w0 = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(4))
+
+    def make(calls):
+        def g(xr, v):
+            calls.append(1)
+            return vmap(lambda x, v: x * v, in_dims=(0, None))(xr, v).sin() + v
+        return g
+
+    def run(g):
+        if transform == "grad":
+            return grad(lambda v: g(xb[0], v).pow(2).sum())(w0)
+        if transform == "grad_of_vmap":
+            return grad(lambda v: vmap(g, in_dims=(0, None))(xb, v).pow(2).sum())(w0)
+        w = w0.clone().requires_grad_()
+        vmap(g, in_dims=(0, None))(xb, w).pow(2).sum().backward()
+        return w.grad
+    calls_plain: list = []
+    want = run(make(calls_plain))
+    calls: list = []
+    rg = remat(make(calls))
+    for k in range(3):
+        calls.clear()
+        _close(run(rg), want)
+        assert len(calls) <= (2 if k == 0 else 1) and len(calls_plain) == 1
