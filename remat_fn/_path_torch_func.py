@@ -356,10 +356,11 @@ class _RematFunction(torch.autograd.Function):
         if _replayable(spec, batched):
             try:
                 with torch.no_grad() if detach else _NULL:
-                    # (replay_vjp, quiet: nothing differentiates this backward; grad mode off says so under
-                    # vmaps alone, not under a grad level)
-                    vjp_fn = functools.partial(replay_vjp, spec, tensors, wrt=wrt, out_diff=out_diff, region=_run_span, quiet=detach or (
-                        not torch.is_grad_enabled() and all(is_vmap_kind(k) for k in live_levels().values()))) if spec.batched else torch.func.vjp(replay_fn(spec, tensors, wrt, out_diff, _run_span), *[tensors[i] for i in wrt])[1]
+                    if spec.batched:  # (nothing differentiates this backward: grad mode off says so under vmaps alone)
+                        alone = detach or (not torch.is_grad_enabled() and all(is_vmap_kind(k) for k in live_levels().values()))
+                        vjp_fn = functools.partial(replay_vjp, spec, tensors, wrt=wrt, out_diff=out_diff, region=_run_span, quiet=alone)
+                    else:
+                        vjp_fn = torch.func.vjp(replay_fn(spec, tensors, wrt, out_diff, _run_span), *[tensors[i] for i in wrt])[1]
                     if spec.prof is not None:
                         spec.prof.record_recompute(spec.name, time.perf_counter() - start)
                     gin = vjp_fn(cot)
