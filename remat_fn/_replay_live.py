@@ -458,9 +458,12 @@ def replay_vjp(spec, tensors, cot, wrt, out_diff, region=None, quiet: bool = Tru
     replay as they would the function.  The function's Python does not run."""
     outer = [lv for lv, kind in live_levels().items() if not is_vmap_kind(kind)]
     how = {"below": True} if quiet else {"above": max(outer, default=0)}
-    phys, _, level_of = _physical_inputs(spec, tensors, how)
-    if outer and any(lv < max(outer) for lv in level_of.values()):  # (vmap(grad(vmap(f))))
-        raise CannotReplay("a vmap outside the grad level batches the region: its examples' gradients stay apart")
+    phys, live, level_of = _physical_inputs(spec, tensors, how)
+    # (vmap(grad(vmap(f))): a vmap outside the grad level keeps each example's gradient apart, which a
+    # replay below it does too for an input it batches, and sums over its examples for one it does not)
+    apart = {lv for lv in level_of.values() if outer and lv < max(outer)}
+    if any(not apart <= {lv for lv, _ in live[k]} for k in wrt):
+        raise CannotReplay("a vmap outside the grad level batches the region, not a differentiated input: its examples' gradients stay apart")
     out_layers = [_live_layers(lay, level_of) for lay, d in zip(spec.layers[1], out_diff) if d]
     extra, cots = _physical_args(cot, out_layers, level_of, how)
     # (on plain tensors, below every level: the replay, and a region nested in it, sees none, as

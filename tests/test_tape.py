@@ -288,12 +288,15 @@ def test_torch_func_path_runs_python_once(how):
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize("how,runs", [("vmap_grad", 1), ("grad_vmap", 1), ("grad_grad", 1), ("vmap_grad_vmap", 2)])
+@pytest.mark.parametrize("how,runs", [("vmap_grad", 1), ("grad_vmap", 1), ("grad_grad", 1), ("vmap_grad_vmap", 1),
+                                      ("vmap_grad_vmap_unbatched_weight", 2)])
 def test_torch_func_path_runs_python_again_where_the_replay_cannot(how, runs):
     """What the replay does not cover: a vmap inside a grad level inside another vmap
-    (``vmap(grad(vmap))``: a replay on the tensors below both vmaps would sum an unbatched
-    input's gradient over the outer examples) runs the function again (its Python side
-    effects repeat).  Under ``vmap(grad)`` backward differentiates the forward level's graph
+    (``vmap(grad(vmap))``) where the grad level differentiates an input the outer vmap does not
+    batch (a replay on the tensors below both vmaps would sum its gradient over the outer
+    examples) runs the function again (its Python side effects repeat); where the outer vmap
+    batches every differentiated input the replay keeps each example's gradient apart as plain
+    code does, and runs it once (twice until this).  Under ``vmap(grad)`` backward differentiates the forward level's graph
     under the same vmap levels, under ``grad(vmap)`` it replays the batched ops below the
     vmap (it ran the function again until this), and where an outer level differentiates the
     backward (grad of grad) the recorded forward is replayed through it
@@ -314,6 +317,20 @@ def test_torch_func_path_runs_python_again_where_the_replay_cannot(how, runs):
     elif how == "vmap_grad_vmap":
         got = vmap(grad(lambda r: vmap(remat(f))(r).sum()))(x[None].expand(2, *x.shape))
         want = vmap(grad(lambda r: vmap(lambda s: s.exp().sin())(r).sum()))(x[None].expand(2, *x.shape))
+    elif how == "vmap_grad_vmap_unbatched_weight":
+        w = x[0].clone()
+
+        def g(s, v):
+            calls.append(1)
+            return (s * v).exp().sin()
+
+        def per(c, fn):
+            return grad(lambda v: (vmap(fn, in_dims=(0, None))(x * c, v) ** 2).sum())(w)
+        cs = torch.tensor([0.5, -1.5], dtype=x.dtype)
+        want = vmap(lambda c: per(c, g))(cs)
+        assert len(calls) == 1
+        calls.clear()
+        got = vmap(lambda c: per(c, remat(g)))(cs)
     else:
         got = grad(lambda r: grad(lambda s: remat(f)(s).sum())(r).sum())(x)
         want = grad(lambda r: grad(lambda s: s.exp().sin().sum())(r).sum())(x)
