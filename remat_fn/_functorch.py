@@ -20,7 +20,7 @@ __all__ = [
     "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead",
     "forward_mode_active", "forward_mode_at", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
     "requires_grad_anywhere", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
-    "draws_batched", "batch_layers", "rebatch", "sum_levels", "grad_on_top", "vmaps_outermost", "current_level", "grad_mode_at",
+    "draws_batched", "batch_layers", "apart_inputs", "rebatch", "sum_levels", "grad_on_top", "vmaps_outermost", "current_level", "grad_mode_at",
     "wrap_at_top", "differentiable", "peel_vmaps", "to_physical", "from_physical",
 ]
 
@@ -129,6 +129,19 @@ def batch_layers(t: torch.Tensor) -> tuple[tuple[int, int], ...]:
     return tuple(reversed(out))
 
 
+def apart_inputs(levels: dict, inputs) -> list[bool] | None:
+    """Under a vmap outside a grad level (``vmap(grad(vmap(f)))``, ``levels``: where the region is
+    called) whose examples' gradients stay apart: for each of the region's ``inputs``, whether it is
+    batched at every such vmap level that batches any of them (a replay below those levels keeps
+    its gradient apart too); None where no vmap batching them sits outside a grad level."""
+    grads = [lv for lv, kind in levels.items() if not is_vmap_kind(kind)]
+    if not grads:
+        return None
+    lays = [{lv for lv, _ in batch_layers(t)} for t in inputs]
+    apart = {lv for s in lays for lv in s if lv < max(grads)}
+    return [apart <= s for s in lays] if apart else None
+
+
 def vmaps_outermost(levels: dict) -> bool:
     """Every active ``vmap`` sits outside every other active transform (``vmap(grad(f))``,
     per-sample gradients): the region's forward and its backward then run under the same
@@ -159,10 +172,11 @@ def peel_vmaps(t: torch.Tensor, below: bool | None = None, above: int | None = N
     a backward, ``hessian(vmap(f))``); None where a wrapper above it is not a vmap's."""
     if above is not None:
         layers = []
-        while C.is_functorch_wrapped_tensor(t) and C.maybe_get_level(t) > above:
-            if not C.is_batchedtensor(t):
+        while C.is_functorch_wrapped_tensor(t) and (C.maybe_get_level(t) > above or C.is_dead_tensor_wrapper(t)):
+            if C.is_batchedtensor(t):
+                layers.append((C.maybe_get_level(t), C.maybe_get_bdim(t)))
+            elif not C.is_dead_tensor_wrapper(t):  # (a level that has exited: its wrapper, as functorch reads it, goes)
                 return None
-            layers.append((C.maybe_get_level(t), C.maybe_get_bdim(t)))
             t = C.get_unwrapped(t)
         return t, layers[::-1], []
     top = []

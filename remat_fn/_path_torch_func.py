@@ -82,6 +82,7 @@ from ._func_semantics import (
 from ._function_steps import FunctionStep, plan_steps
 from ._functorch import (
     any_batched,
+    apart_inputs,
     batch_layers,
     carries_grad,
     differentiable,
@@ -480,6 +481,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         # transforms, backward runs under the forward's vmap levels, see remat_fn._func_graph.KeepHandles;
         # under grad(vmap) it replays the batched ops below the vmaps, see replay_vjp)
         spec.batched = any(any_batched(t) for t in (*inputs, *closed))
+        if spec.batched:
+            spec.apart = apart_inputs(levels, (*inputs, *closed))
         spec.check = call.strict  # (a run again in backward checks the function; the gradient comes from the forward)
         rerun = keep_graph or (spec.offload is not None and spec.offload.rerun)
         if rerun or nested or (spec.batched and not vmaps_outermost(levels)):  # (nested: replays its recorded forward)

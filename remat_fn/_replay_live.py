@@ -460,9 +460,10 @@ def replay_vjp(spec, tensors, cot, wrt, out_diff, region=None, quiet: bool = Tru
     how = {"below": True} if quiet else {"above": max(outer, default=0)}
     phys, live, level_of = _physical_inputs(spec, tensors, how)
     # (vmap(grad(vmap(f))): a vmap outside the grad level keeps each example's gradient apart, which a
-    # replay below it does too for an input it batches, and sums over its examples for one it does not)
+    # replay below it does too for an input it batches, and sums over its examples for one it does not;
+    # judged by the forward's levels too: a vjp_fn called after its level exited sees no grad level)
     apart = {lv for lv in level_of.values() if outer and lv < max(outer)}
-    if any(not apart <= {lv for lv, _ in live[k]} for k in wrt):
+    if any(not apart <= {lv for lv, _ in live[k]} or (spec.apart is not None and not spec.apart[k]) for k in wrt):
         raise CannotReplay("a vmap outside the grad level batches the region, not a differentiated input: its examples' gradients stay apart")
     out_layers = [_live_layers(lay, level_of) for lay, d in zip(spec.layers[1], out_diff) if d]
     extra, cots = _physical_args(cot, out_layers, level_of, how)

@@ -31,7 +31,8 @@ weighted sum), ``eager_double`` (``create_graph=True`` then a second grad),
 ``vjp`` (inputs that require grad), ``vjp_nograd`` (detached inputs), ``jvp``,
 ``vmap_jvp`` (``jvp`` under ``vmap`` of a batch of two primals),
 ``vmap_vjp`` (batched cotangents), ``jvp_vmap`` / ``vjp_vmap`` (``jvp`` / ``vjp``
-around ``vmap`` of a batch of two primals), ``vjp_vjp``, ``jvp_vjp``, ``jacrev``,
+around ``vmap`` of a batch of two primals), ``vjp_vjp_vmap`` (``vjp`` of that ``vjp``),
+``vmap_vjp_vmap`` (``vmap`` around it, a batch of two batches), ``vjp_vjp``, ``jvp_vjp``, ``jacrev``,
 ``jacfwd``, ``hessian`` (of a scalar reduction; small inputs only) and, for
 OpInfos with an in-place variant, ``inplace_eager`` / ``inplace_vjp`` on the
 region ``lambda x, *a: op.inplace_variant(x.clone(), *a)``.
@@ -243,6 +244,32 @@ def cell_vjp_vmap(case, fn, g):
     return outs, vjp_fn(tuple(_randn_like(o, g) for o in outs))
 
 
+def cell_vjp_vjp_vmap(case, fn, g):
+    # (vjp of vjp around vmap, hessian(vmap)'s shape: the inner backward replays the recorded forward on
+    # the batched tensors below the vmap, under the outer vjp level, which differentiates that replay)
+    ps = tuple(torch.stack([p, p * 0.9]) for p in case.primals)
+    vf = torch.func.vmap(case.f(fn))
+    outs = vf(*ps)
+    cts = tuple(_randn_like(o, g) for o in outs)
+
+    def h(primals, cts):
+        return torch.func.vjp(vf, *primals)[1](cts)
+    res, vjp_fn = torch.func.vjp(h, ps, cts)
+    return res, vjp_fn(tuple(_randn_like(r, g) for r in res))
+
+
+def cell_vmap_vjp_vmap(case, fn, g):
+    # (vmap around vjp around vmap, each outer example's gradient apart: the replay below both vmaps)
+    ps = tuple(torch.stack([torch.stack([p, p * 0.9]), torch.stack([p * 0.95, p * 0.85])]) for p in case.primals)
+    vf = torch.func.vmap(case.f(fn))
+    outs = torch.func.vmap(vf)(*ps)
+    cts = tuple(_randn_like(o, g) for o in outs)
+
+    def h(primals, cts):
+        return torch.func.vjp(vf, *primals)[1](cts)
+    return torch.func.vmap(h)(ps, cts)
+
+
 def _vjp_fn_of(case, fn):
     """``(primals, cotangents) -> vjp`` as functorch's get_vjp_fn_and_args_with_cotangents."""
     f = case.f(fn)
@@ -307,14 +334,16 @@ def cell_hessian(case, fn, g):
 CELLS = {
     "eager": cell_eager, "eager_double": cell_eager_double, "vjp": cell_vjp,
     "vjp_nograd": cell_vjp_nograd, "jvp": cell_jvp, "vmap_jvp": cell_vmap_jvp, "vmap_vjp": cell_vmap_vjp,
-    "jvp_vmap": cell_jvp_vmap, "vjp_vmap": cell_vjp_vmap,
+    "jvp_vmap": cell_jvp_vmap, "vjp_vmap": cell_vjp_vmap, "vjp_vjp_vmap": cell_vjp_vjp_vmap,
+    "vmap_vjp_vmap": cell_vmap_vjp_vmap,
     "vjp_vjp": cell_vjp_vjp, "jvp_vjp": cell_jvp_vjp, "jacrev": cell_jacrev,
     "jacfwd": cell_jacfwd, "hessian": cell_hessian,
     "inplace_eager": cell_eager, "inplace_vjp": cell_vjp,
 }
 # the cells plain pytest runs (first sample of every op); REMAT_OPDB=full runs all
 DEFAULT_CELLS = {("eager", "none"), ("eager_double", "none"), ("vjp", "none"), ("jvp", "none"), ("vmap_jvp", "none"),
-                 ("vmap_vjp", "none"), ("jvp_vmap", "none"), ("vjp_vmap", "none"), ("jvp_vjp", "none"), ("eager", "save_all"), ("vjp", "save_all"),
+                 ("vmap_vjp", "none"), ("jvp_vmap", "none"), ("vjp_vmap", "none"),
+                 ("vjp_vjp_vmap", "none"), ("jvp_vjp", "none"), ("eager", "save_all"), ("vjp", "save_all"),
                  ("eager", "dots"), ("vjp", "dots"), ("inplace_eager", "none")}
 
 
@@ -331,13 +360,14 @@ class _NothingToCompare(Exception):
 # refused their *_backward kernels): the backward ran under no_grad while a jvp level was live.)
 _LCE_CHUNKED_JVP = ('crash RuntimeError: In order to use an autograd.Function with functorch transforms ..., it must '
                     'override the setup_context staticmethod (torch: no forward AD on the chunked path; plain: zero tangent)')
+_EIG_VJP_VJP = ('crash RuntimeError: linalg_eig_backward: The eigenvectors in the complex case are specified up to '
+                'multiplication by e^{i phi}... ill-defined (plain vjp(vjp) works)')
 KNOWN: dict[tuple[str, str, str], str] = {
     ('nn.functional.mish', 'jacrev', '*'):
         ('crash RuntimeError: Batching rule not implemented for aten::mish_backward. The fallback path does not '
          'support vmap over dims of size 0 (empty sample; plain decomposes mish_backward)'),
-    ('linalg.eig', 'vjp_vjp', '*'):
-        ('crash RuntimeError: linalg_eig_backward: The eigenvectors in the complex case are specified up to '
-         'multiplication by e^{i phi}... ill-defined (plain vjp(vjp) works)'),
+    ('linalg.eig', 'vjp_vjp', '*'): _EIG_VJP_VJP,
+    ('linalg.eig', 'vjp_vjp_vmap', '*'): _EIG_VJP_VJP,
     ('nn.functional.linear_cross_entropy_chunked', 'jvp', '*'): _LCE_CHUNKED_JVP,
     ('nn.functional.linear_cross_entropy_chunked', 'jacfwd', '*'): _LCE_CHUNKED_JVP,
     ('nn.functional.linear_cross_entropy_chunked_none', 'jvp', '*'): _LCE_CHUNKED_JVP,

@@ -220,3 +220,35 @@ def test_nested_vmapped_regions_sharing_an_unbatched_weight_second_order(transfo
         return lambda w: vmap(wrap(g), in_dims=(0, None))(_XBB, w).pow(2).sum()
     run = _SECOND_ORDER[transform]
     assert_tree_close(run(loss(remat)), run(loss(ident)), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("trigger", ["dropout_different", "torch_func_grad_inside"])
+def test_region_run_again_with_a_nested_vmapped_region_and_an_unbatched_weight(trigger):
+    # Found by a hostile pass: an outer region under vmap that runs again in backward (its draws are
+    # batched by randomness='different', or it calls torch.func.grad itself) holds a region under vmap
+    # of its own, the weight unbatched.  In the run again, the nested region's forward sits under
+    # vmap(grad(vmap)); its backward, called after that grad level exited, saw no grad level and
+    # replayed below both vmaps, summing the weight's gradient over the outer examples too (and the
+    # outer vmap's rule summed it again): f's share of w.grad came out B times plain's, silently
+    # ([-0.85, 18.3, ...] for plain's [-0.37, 14.9, ...]).  The forward's levels now say so
+    # (apart_inputs): that replay is refused there and the nested region runs again.
+    xb = torch.randn(3, 2, 4, dtype=D, generator=torch.Generator().manual_seed(5))
+    w0 = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(6))
+
+    def run(wrap):
+        torch.manual_seed(1)
+        w = w0.clone().requires_grad_()
+
+        def f(xi, w):
+            return (xi * w).sin()
+
+        def g(xr, w):
+            if trigger == "dropout_different":
+                extra = torch.nn.functional.dropout(w, 0.5)
+            else:
+                extra = grad(lambda v: (v * v).sin().sum())(w)
+            return vmap(wrap(f), in_dims=(0, None))(xr, w) + extra
+        randomness = "different" if trigger == "dropout_different" else "error"
+        vmap(wrap(g), in_dims=(0, None), randomness=randomness)(xb, w).pow(2).sum().backward()
+        return w.grad
+    assert_tree_close(run(remat), run(ident), rtol=1e-10, atol=1e-10)
