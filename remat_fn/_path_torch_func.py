@@ -175,6 +175,10 @@ class _RematFunction(torch.autograd.Function):
                     spec.out_values = [output_value(tape, t) for t in o]
                     if spec.batched:  # (see replay_jvp, replay_vjp: how the recorded ops batch them)
                         spec.layers = ([batch_layers(t) for t in tensors], [batch_layers(t) for t in o])
+                    if spec.batched and all(is_vmap_kind(k) for k in spec.levels.values()):  # (eager autograd around vmap:
+                        # an input no output is computed from gets no gradient, None, as plain autograd gives it)
+                        diff_o = [t for t in o if differentiable(t)]
+                        spec.unused = [not any(forward_reached(tape, diff_o, {id(unwrap_all(t))}, True)) for t in tensors]
                     roots = [t.grad_fn for t in o if isinstance(t, torch.Tensor) and t.grad_fn is not None]
                     if frame is not None and not spec.held_inputs:  # (checked if a replay is asked for: the graph is kept anyway)
                         spec.roots = roots
@@ -370,7 +374,7 @@ class _RematFunction(torch.autograd.Function):
         if gin is None:
             gin = rerun_vjp(spec, tensors, wrt, out_diff, detach, cot, start)
         for i, g in zip(wrt, gin):
-            result[i + 1] = g
+            result[i + 1] = None if spec.unused is not None and spec.unused[i] else g
         return tuple(result)
 
     @staticmethod

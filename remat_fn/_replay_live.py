@@ -140,14 +140,15 @@ def output_value(tape, t: torch.Tensor):
     return b if a is None else a
 
 
-def forward_reached(tape, outs, bases: set) -> list[bool]:
+def forward_reached(tape, outs, bases: set, grad_only: bool = False) -> list[bool]:
     """Which of ``outs`` (the region's outputs, while the tape records) the tape computes
     from the tensors ``bases`` (ids of the plain tensors below the Function's inputs)
     through ops other than ``detach`` (and those run under ``inference_mode``): what forward
-    mode differentiates, whatever the grad mode (a tangent is not stopped by ``no_grad``)."""
+    mode differentiates, whatever the grad mode (a tangent is not stopped by ``no_grad``);
+    ``grad_only``: through ops run in grad mode, what reverse mode differentiates."""
     live: set[int] = set()
     for n in tape.nodes:
-        if n is None or n.func is DETACH or n.func in INDEPENDENT or n.inference:
+        if n is None or n.func is DETACH or n.func in INDEPENDENT or n.inference or (grad_only and not n.grad):
             continue
         if any(id(r) in live or (r.node < 0 and r.t is not None and id(r.t) in bases) for r in n.reads):
             live.update(id(v) for v in n.outs if v is not None)

@@ -252,3 +252,33 @@ def test_region_run_again_with_a_nested_vmapped_region_and_an_unbatched_weight(t
         vmap(wrap(g), in_dims=(0, None), randomness=randomness)(xb, w).pow(2).sum().backward()
         return w.grad
     assert_tree_close(run(remat), run(ident), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("case", ["unused_argument", "unused_closure", "used_under_no_grad", "int_output_only"])
+def test_eager_around_vmap_leaves_an_unused_input_without_a_gradient(case):
+    # Plain autograd leaves .grad None for an input no output is computed from (an optimizer skips
+    # it: momentum, weight decay); remat's backward under eager autograd around vmap gave zeros.
+    x0 = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(7))
+
+    def run(wrap):
+        x, y, c = (x0.clone().requires_grad_() for _ in range(3))
+
+        def f(x, y):
+            if case == "unused_closure":
+                _ = c  # (read, never computed from)
+            if case == "used_under_no_grad":
+                with torch.no_grad():
+                    s = (y * 2).sum()
+                return x.sin() * s
+            if case == "int_output_only":
+                return x.sin(), (y > 0).long()
+            return x.sin()
+        out = vmap(wrap(f))(x, y)
+        out = out[0] if isinstance(out, tuple) else out
+        out.pow(2).sum().backward()
+        return x.grad, y.grad, c.grad
+    want, got = run(ident), run(remat)
+    for w, g in zip(want, got):
+        assert (w is None) == (g is None)
+        if w is not None:
+            assert_tree_close(g, w, rtol=1e-10, atol=1e-10)
