@@ -171,7 +171,7 @@ class _RematFunction(torch.autograd.Function):
                 spec.escaped = []  # (a candidate nothing else held died here: no side output)
                 pos, refs = [list(x) for x in zip(*[c for c in cands if c[1]() is not None])] or ([], [])
                 o = o + tuple(r() for r in refs)
-                if (frame is not None or spec.replay) and not spec.aliased and not draws_in_vmap(spec, tape):  # (see _replay_live)
+                if (frame is not None or spec.replay) and not spec.aliased and (frame is None or not draws_in_vmap(spec, tape)):  # (see _replay_live)
                     spec.out_values = [output_value(tape, t) for t in o]
                     if spec.batched:  # (see replay_jvp, replay_vjp: how the recorded ops batch them)
                         spec.layers = ([batch_layers(t) for t in tensors], [batch_layers(t) for t in o])

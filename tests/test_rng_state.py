@@ -297,3 +297,41 @@ def test_unbatched_region_drawing_nested_under_vmap_randomness():
         torch.manual_seed(0)
         outs.append(grad(lambda w: vmap(lambda x: outer(w) * x, randomness="different")(x).pow(2).sum())(w))
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-12)
+
+
+_BATCHED_DRAWS = {
+    "grad_vmap": lambda g, x, w: grad(lambda w: g(x, w).pow(2).sum())(w),
+    "jacrev_vmap": lambda g, x, w: torch.func.jacrev(lambda w: g(x, w).sum(0))(w),
+    "jvp_vmap": lambda g, x, w: torch.func.jvp(lambda w: g(x, w), (w,), (w.cos(),))[1],
+    "grad_grad_vmap": lambda g, x, w: grad(lambda w: grad(lambda w: g(x, w).pow(2).sum())(w).sin().sum())(w),
+    "eager_around_vmap": lambda g, x, w: torch.autograd.grad(g(x, w.requires_grad_()).pow(2).sum(), w)[0],
+    "eager_create_graph_around_vmap": lambda g, x, w: torch.autograd.grad(
+        torch.autograd.grad(g(x, w.requires_grad_()).pow(2).sum(), w, create_graph=True)[0].sin().sum(), w)[0],
+}
+
+
+@pytest.mark.parametrize("randomness", ["different", "same"])
+@pytest.mark.parametrize("how", sorted(_BATCHED_DRAWS))
+def test_batched_region_drawing_under_vmap_replays_its_draws(how, randomness):
+    # A region whose input the vmap batches, drawing inside it (dropout, rand), under a transform
+    # around the vmap: backward (and the jvp rule) replay the recorded physical draws on the batched
+    # tensors below the vmap, each from its recorded generator state, so the function runs once.  It
+    # ran again until this (twice per forward), and under jacrev, whose vmap forbids drawing, that
+    # run was refused with a RematError.
+    x = torch.randn(3, 4, dtype=_D, generator=torch.Generator().manual_seed(2))
+    w0 = torch.randn(4, dtype=_D, generator=torch.Generator().manual_seed(3))
+
+    def make(calls):
+        def f(x, w):
+            calls.append(1)
+            return torch.nn.functional.dropout((x * w).sin(), 0.5) + torch.rand(4, dtype=_D) * w
+        return f
+    results = []
+    for wrap in (lambda f: f, remat):
+        calls: list = []
+        g = vmap(wrap(make(calls)), in_dims=(0, None), randomness=randomness)
+        torch.manual_seed(11)
+        results.append((_BATCHED_DRAWS[how](g, x, w0.clone()), len(calls)))
+    (want, n_plain), (got, n_remat) = results
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert n_remat == n_plain == 1
