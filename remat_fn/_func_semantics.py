@@ -196,9 +196,10 @@ def draws_in_vmap(spec, tape, batched: bool = False) -> bool:
     gradient.  There backward re-runs the function, each draw from its recorded state
     (inside ``jacrev``'s vmap, whose randomness mode is "error", that is refused with a
     RematError naming the fix: see random_in_vmap).  ``batched``: only where they are batched.
-    Asked where backward would differentiate the forward level's graph (``vmap(grad)``): where it
-    replays the batched ops below the vmaps (``grad(vmap)``, the jvp rule), the draws replay there
-    from their recorded states, as the physical tensors they were."""
+    Asked where backward would differentiate the forward level's graph and no input is batched
+    (with one batched, the graph's saved draws come back batched as they were saved, see
+    KeepHandles); where it replays the batched ops below the vmaps (``grad(vmap)``, the jvp rule),
+    the draws replay there from their recorded states, as the physical tensors they were."""
     return spec.vmapped and any(n.rng is not None for n in tape.nodes) and (not batched or draws_batched())
 
 

@@ -217,7 +217,7 @@ class _RematFunction(torch.autograd.Function):
             # private aliases, see alias_output) unless a region nested in this one holds one of them
             # (swapped, its version checks would fail); batched draws: see draws_in_vmap
             if spec.held_inputs or (refs and (not spec.batched or any(type(s[2]) is not FunctionStep for s in tape.spans))) \
-                    or draws_in_vmap(spec, tape, batched=True):
+                    or (not spec.batched and draws_in_vmap(spec, tape, batched=True)):
                 spec.graph = None  # backward re-runs (or replays)
             if spec.graph is not None:
                 douts = release_outputs(douts)
@@ -263,12 +263,6 @@ class _RematFunction(torch.autograd.Function):
                 keep_ptrs = set(saved) | {p for o in outs if (p := storage_ptr(o)) is not None}
                 rec.prune(keep_ptrs, set(saved))  # an offloaded output: recomputed, not copied
                 spec.tape = None
-            elif frame is not None and spec.batched and draws_in_vmap(spec, tape, batched=True):
-                # (batched draws: backward runs the function again, each draw from its recorded
-                # state, see draws_in_vmap; the plan starts from what the level's graph saved)
-                roots = [*frame.values.values(), *frame.deps]
-                spec.frame = None
-                plan_rerun(spec, roots, tensors)
             elif frame is not None:  # as on the hooks path (memory_budget's plan, seal, ...)
                 spec.wrt = wrt
                 if spec.offload is not None:

@@ -335,3 +335,40 @@ def test_batched_region_drawing_under_vmap_replays_its_draws(how, randomness):
     (want, n_plain), (got, n_remat) = results
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     assert n_remat == n_plain == 1
+
+
+_PER_SAMPLE_DRAWS = {
+    "vmap_grad": (lambda g, xb, w: vmap(lambda x: grad(lambda w: g(x, w).pow(2).sum())(w), randomness="different")(xb), 1),
+    "vmap_vjp_twice": (lambda g, xb, w: vmap(lambda x: (lambda o, fn: fn(o)[0] + fn(o.cos())[0])(
+        *torch.func.vjp(lambda w: g(x, w), w)), randomness="different")(xb), None),
+    "vmap_grad_grad": (lambda g, xb, w: vmap(lambda x: grad(lambda w: grad(lambda w: g(x, w).pow(2).sum())(w).sin().sum())(w),
+                                             randomness="different")(xb), None),
+    "eager_around_vmap_grad": (lambda g, xb, w: torch.autograd.grad(vmap(lambda x: grad(lambda v: g(x, v).pow(2).sum())(w),
+                                                                         randomness="different")(xb).sin().sum(), w)[0], None),
+}
+
+
+@pytest.mark.parametrize("how", sorted(_PER_SAMPLE_DRAWS))
+def test_per_sample_gradients_with_batched_draws(how):
+    # Per-sample gradients (vmap(grad)) of a region drawing under randomness='different', its input
+    # batched: backward differentiates the forward level's graph, the saved draws replayed from the
+    # tape and batched again as they were saved (KeepHandles), so the function runs once under
+    # vmap(grad) (twice until this).  Where something differentiates that backward it runs again,
+    # each draw from its recorded state; values exact everywhere.
+    xb = torch.randn(3, 4, dtype=_D, generator=torch.Generator().manual_seed(4))
+    w0 = torch.randn(4, dtype=_D, generator=torch.Generator().manual_seed(5))
+    run, runs = _PER_SAMPLE_DRAWS[how]
+
+    def make(calls):
+        def f(x, w):
+            calls.append(1)
+            return torch.nn.functional.dropout((x * w).sin(), 0.5) + torch.rand(4, dtype=_D) * w
+        return f
+    results = []
+    for wrap in (lambda f: f, remat):
+        calls: list = []
+        torch.manual_seed(12)
+        results.append((run(wrap(make(calls)), xb, w0.clone().requires_grad_(how.startswith("eager"))), len(calls)))
+    (want, n_plain), (got, n_remat) = results
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert n_plain == 1 and (runs is None or n_remat == runs)
