@@ -261,14 +261,16 @@ def from_physical(y: torch.Tensor, layers, n_logical: int, extra: list[int], bel
     if got is None or got[1] or got[0].dim() != n_logical + len(layers) + len(extra):
         return None
     y = got[0]
-    # (wrappers nest outward by level: extra levels outside the others, ``jacfwd(vmap(f))``'s basis, go on first)
-    extra_first = bool(extra and layers) and extra[-1] < min(level for level, _ in layers)
-    for k, level in enumerate(extra if extra_first else ()):
-        y = C._add_batch_dim(y, y.dim() - (len(extra) - k), level)
-    for level, bdim in layers:
-        y = C._add_batch_dim(y, bdim, level)
-    for k, level in enumerate(() if extra_first else extra):
-        y = C._add_batch_dim(y, y.dim() - (len(extra) - k), level)
+    # (wrappers nest outward by level: each goes on in ascending level order, an extra level outside
+    # the others, ``jacfwd(vmap(f))``'s basis, or between them, ``vmap(jacrev(vmap(f)))``'s, among them;
+    # the extra levels' dims are the last ones, in order, and a layer's bdim counts from the front)
+    left = len(extra)
+    for level, bdim in sorted([*layers, *((level, None) for level in extra)], key=lambda lb: lb[0]):
+        if bdim is None:
+            y = C._add_batch_dim(y, y.dim() - left, level)
+            left -= 1
+        else:
+            y = C._add_batch_dim(y, bdim, level)
     return y
 
 

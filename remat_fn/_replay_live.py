@@ -515,8 +515,6 @@ def _physical_args(args, layers, level_of, how) -> tuple[list, list]:
     if how:  # (cotangents: where the recorded result is not batched at a level of the rule's, summed over it)
         peeled = [sum_levels(p, {lv for lv, _ in p[1]} & mine - {lv for lv, _ in lay}) for p, lay in zip(peeled, layers)]
     extra = sorted({lv for p in peeled for lv, _ in p[1]} - mine)
-    if extra and mine and not (extra[0] > max(mine) or extra[-1] < min(mine)):
-        raise CannotReplay("a tangent is batched at a level between the primals' levels")
     sizes = dict(vmap_sizes())
     out = []
     for p, lay in zip(peeled, layers):

@@ -57,6 +57,8 @@ _TRANSFORMS = {
     "jacfwd_vmap": lambda f: jacfwd(vmap(f))(_XB),
     "vmap_jvp_vmap": lambda f: vmap(lambda x, t: jvp(vmap(f), (x,), (t,))[1])(_XBB, _XBB.cos()),
     "jvp_vmap_vmap": lambda f: jvp(vmap(vmap(f)), (_XBB,), (_XBB.sin(),))[1],
+    # (jacfwd's basis vmap between the outer vmap's level and the rule's: see from_physical)
+    "vmap_jacfwd_vmap": lambda f: vmap(jacfwd(vmap(f)))(_XBB),
 }
 # (backward still runs the function again under these two: the tape holds the batched ops, and a
 # reverse level inside the vmap differentiates the backward; docs/design.md)

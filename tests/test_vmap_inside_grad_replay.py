@@ -67,6 +67,9 @@ _TRANSFORMS = {
     "jacrev_vmap": lambda f: jacrev(lambda x: vmap(f)(x))(_XB),
     "grad_vmap_vmap": lambda f: grad(lambda x: _loss(vmap(vmap(f))(x)))(_XBB),
     "vmap_grad_vmap": lambda f: vmap(grad(lambda x: _loss(vmap(f)(x))))(_XBB),
+    # (jacrev's basis vmap, between the outer vmap's level and the rule's: from_physical wraps in level order)
+    "vmap_jacrev_vmap": lambda f: vmap(jacrev(lambda x: vmap(f)(x)))(_XBB),
+    "vmap_jacrev_vmap_chunked": lambda f: vmap(jacrev(lambda x: vmap(f)(x), chunk_size=5))(_XBB),
     "hessian_vmap": lambda f: hessian(lambda v: _loss(_scaled(f)(v)))(_V),
     "eager_around_vmap": lambda f: _eager(vmap(f)),
     "eager_double_around_vmap": lambda f: _eager(vmap(f), create_graph=True),
