@@ -171,7 +171,7 @@ class _RematFunction(torch.autograd.Function):
                 spec.escaped = []  # (a candidate nothing else held died here: no side output)
                 pos, refs = [list(x) for x in zip(*[c for c in cands if c[1]() is not None])] or ([], [])
                 o = o + tuple(r() for r in refs)
-                if (frame is not None or spec.replay) and not spec.aliased and (frame is None or not draws_in_vmap(spec, tape)):  # (see _replay_live)
+                if (frame is not None or spec.replay) and not spec.aliased and (frame is None or spec.batched or not draws_in_vmap(spec, tape)):  # (see _replay_live)
                     spec.out_values = [output_value(tape, t) for t in o]
                     if spec.batched:  # (see replay_jvp, replay_vjp: how the recorded ops batch them)
                         spec.layers = ([batch_layers(t) for t in tensors], [batch_layers(t) for t in o])
@@ -351,7 +351,9 @@ class _RematFunction(torch.autograd.Function):
         # The recorded forward, replayed (where an outer transform differentiates this backward, for a nested
         # region, under vmap): the regions nested in it replay as regions of their own
         gin = None
-        batched = spec.layers is not None and not vmaps_outermost(spec.levels)
+        # (under vmap(grad), a backward whose grad level has exited, under vmaps alone (a vjp_fn called
+        # under a vmap, jacrev's over the cotangents): the batched replay, as under grad(vmap))
+        batched = spec.layers is not None and (not vmaps_outermost(spec.levels) or all(is_vmap_kind(k) for k in live_levels().values()))
         if _replayable(spec, batched):
             try:
                 with torch.no_grad() if detach else _NULL:

@@ -185,3 +185,38 @@ def test_vmap_grad_with_a_side_output_differentiates_the_forward_level_graph(how
     got = run(remat, calls)
     assert_tree_close(got, want)
     assert len(calls) == len(plain)
+
+
+_VJP_FN_UNDER_VMAP = {
+    "vmap_vjp": lambda g, x, w: vmap(lambda xx: (lambda o, fn: fn(o)[0])(*vjp(lambda v: g(v, w), xx)), randomness="different")(x),
+    "vmap_vjp_twice": lambda g, x, w: vmap(lambda xx: (lambda o, fn: fn(o)[0] + fn(o.cos())[0])(*vjp(lambda v: g(v, w), xx)),
+                                           randomness="different")(x),
+    "vmap_jacrev": lambda g, x, w: vmap(lambda xx: jacrev(lambda v: g(v, w))(xx), randomness="different")(x),
+}
+
+
+@pytest.mark.parametrize("draw", [False, True])
+@pytest.mark.parametrize("how", sorted(_VJP_FN_UNDER_VMAP))
+def test_vjp_fn_called_under_vmap_after_its_level_exited(how, draw):
+    # Under vmap(vjp) and vmap(jacrev) the backward runs after the grad level exited, under the vmap
+    # alone (jacrev's own vmap over the cotangents too): where the differentiated input is batched,
+    # the recorded forward replays below the vmaps as under grad(vmap), so the function runs once (it
+    # ran again, once per vjp_fn call, until this; with a random draw under vmap(jacrev), whose vmap
+    # forbids drawing, that run was refused with a RematError).
+    x = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(8))
+    w = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(9))
+
+    def make(calls):
+        def f(x, w):
+            calls.append(1)
+            out = (x * w).sin()
+            return out * torch.rand(4, dtype=D) if draw else out
+        return f
+    results = []
+    for wrap in (lambda f: f, remat):
+        calls: list = []
+        torch.manual_seed(3)
+        results.append((_VJP_FN_UNDER_VMAP[how](wrap(make(calls)), x, w), len(calls)))
+    (want, n_plain), (got, n_remat) = results
+    assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
+    assert n_remat == n_plain == 1
