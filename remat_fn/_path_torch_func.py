@@ -171,7 +171,8 @@ class _RematFunction(torch.autograd.Function):
                 spec.escaped = []  # (a candidate nothing else held died here: no side output)
                 pos, refs = [list(x) for x in zip(*[c for c in cands if c[1]() is not None])] or ([], [])
                 o = o + tuple(r() for r in refs)
-                if (frame is not None or spec.replay) and not spec.aliased and (frame is None or spec.batched or not draws_in_vmap(spec, tape)):  # (see _replay_live)
+                # (see _replay_live; draws under vmap: a replay of the batched ops draws them as they were)
+                if (frame is not None or spec.replay) and not spec.aliased and (frame is None or spec.batched or not draws_in_vmap(spec, tape)):
                     spec.out_values = [output_value(tape, t) for t in o]
                     if spec.batched:  # (see replay_jvp, replay_vjp: how the recorded ops batch them)
                         spec.layers = ([batch_layers(t) for t in tensors], [batch_layers(t) for t in o])
