@@ -272,14 +272,13 @@ class CaptureMode(TorchFunctionMode):
         # in a forward: what the regions nested in it hand a run again of it (see first)
         self.nested: dict[int, tuple] = {}
         self.held: dict[int, list] = {}  # see note_region_inputs
-        # the transforms active where the region was called (set aside inside its Function's
-        # forward: their wrappers are judged by them, see needs_grad)
-        self.levels: dict | None = None
+        self.levels: dict | None = None  # where the region was called (set aside in its Function's forward: see needs_grad)
         # the function read or wrote ``.data``: an alias no aten op makes, which the recorded
         # forward cannot tell from the tensor (no replay stands in for it, see _replay_live)
         self.opaque = False
         self.every, self.fwd_only = 0, set()  # (see _leaves, untracked_stats)
         self.counts_inputs = False  # a run again that looks for the inputs it stores (see refs_counted)
+        self.tape = None  # the region's own tape, in its forward (see _made_inside)
 
     def _fix(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -368,10 +367,10 @@ class CaptureMode(TorchFunctionMode):
         return x
 
     def _made_inside(self, x: torch.Tensor) -> bool:
-        if self.produced is None:
-            return False
-        ptr = storage_ptr(x)
-        made = ptr is not None and ptr in self.produced
+        if self.produced is None:  # (what the region's own tape saw its ops make in its forward: a vmap's output)
+            made = self.tape is not None and self.tape.value_of(unwrap_all(x)) is not None
+        else:
+            made = (ptr := storage_ptr(x)) is not None and ptr in self.produced
         if made:
             self.known.add(x)
         return made

@@ -593,6 +593,7 @@ class RegionState:
                            inputs=() if recompute else tensors[:n],
                            grab=self.escapes if recompute else None, late=late, first=first)
         mode.levels = self.levels
+        mode.tape = None if recompute else self.tape
         # (side outputs no_grad made, see _leaves; in an enclosing region's forward, for its levels)
         mode.every = 0 if recompute else watched(2 if self.vmapped else 1 if self.fwd else 0)
         mode.fwd_only = set() if recompute else self.fwd_only
