@@ -273,9 +273,7 @@ class CaptureMode(TorchFunctionMode):
         self.nested: dict[int, tuple] = {}
         self.held: dict[int, list] = {}  # see note_region_inputs
         self.levels: dict | None = None  # where the region was called (set aside in its Function's forward: see needs_grad)
-        # the function read or wrote ``.data``: an alias no aten op makes, which the recorded
-        # forward cannot tell from the tensor (no replay stands in for it, see _replay_live)
-        self.opaque = False
+        self.opaque = False  # the function read or wrote ``.data``: an alias no aten op makes (no replay, see _replay_live)
         self.every, self.fwd_only = 0, set()  # (see _leaves, untracked_stats)
         self.counts_inputs = False  # a run again that looks for the inputs it stores (see refs_counted)
         self.tape = None  # the region's own tape, in its forward (see _made_inside)
@@ -295,9 +293,12 @@ class CaptureMode(TorchFunctionMode):
                 a = self._alias_of_known(x)
                 if a is not None:
                     return a
-                if not self._made_inside(x):
+                # (a view of a tensor it closes over that a transform it calls made, unseen: torch.func.vmap reading
+                # it, returning it as is: the forward runs again with the replacements in the closure's places)
+                unseen = (p := storage_ptr(x)) is not None and any(storage_ptr(r) == p for r in self.subst.values())
+                if unseen or not self._made_inside(x):
                     if needs_grad(x, self.levels):
-                        raise MissedCapture(x)
+                        raise MissedCapture(x, bypassed=unseen)
                     if self.levels is not None and from_lowered_level(x):
                         # a constant wrapped at a level set aside here (a BatchNorm's statistics
                         # under grad of grad): the plain tensor below, as plain code reads it

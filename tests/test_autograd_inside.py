@@ -267,3 +267,31 @@ def test_vmap_inside_a_region_runs_it_once(transform):
         calls.clear()
         _close(run(rg), want)
         assert len(calls) == len(calls_plain) == 1
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "vmap_grad"])
+def test_vmap_inside_a_region_returning_a_tensor_it_closes_over(transform):
+    # Found by a hostile pass: the region hands a tensor it closes over (computed outside from w) to
+    # a torch.func.vmap that returns its slices as they are.  The vmap reads the caller's tensor where
+    # no torch function replaces it, and its output, a view of that tensor, was taken for one the
+    # region made: w's gradient was lost, zeros for plain's [-6.97, 4.85, ...], silently.  An unknown
+    # tensor sharing the storage of a tensor the region closes over now makes the forward run again
+    # with the replacements in the closure's places (as torch.func.grad(g)(w) does).
+    x0 = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(10))
+    w0 = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(11))
+
+    def loss(wrap, x, w):
+        big = (w.expand(3, 4) * 1).T
+
+        def f(x):
+            return x * vmap(lambda xi, wi: wi, in_dims=(0, 1))(x, big)
+        return wrap(f)(x).pow(2).sum()
+
+    def run(wrap):
+        if transform == "grad":
+            return grad(lambda x, w: loss(wrap, x, w), argnums=(0, 1))(x0, w0)
+        if transform == "vjp":
+            out, fn = vjp(lambda x, w: loss(wrap, x, w), x0, w0)
+            return fn(torch.ones_like(out))
+        return vmap(lambda s: grad(lambda x, w: loss(wrap, x * s, w), argnums=(0, 1))(x0, w0))(torch.tensor([1.0, -0.5], dtype=D))
+    _close(run(remat), run(ident))
