@@ -263,7 +263,7 @@ def test_vmap_inside_a_region_runs_it_once(transform):
     want = run(make(calls_plain))
     calls: list = []
     rg = remat(make(calls))
-    for k in range(3):
+    for _ in range(3):
         calls.clear()
         _close(run(rg), want)
         assert len(calls) == len(calls_plain) == 1
