@@ -368,10 +368,13 @@ class _RematFunction(torch.autograd.Function):
                     gin = vjp_fn(cot)
             except CannotReplay:
                 spec.out_values = None  # (the function runs again, now and from now on)
+        # (an input the replayed ops never read in grad mode gets None, as from plain autograd; a run
+        # again's gradient as it comes: what the function did out of the tape's sight counts there)
+        unused = spec.unused if gin is not None else None
         if gin is None:
             gin = rerun_vjp(spec, tensors, wrt, out_diff, detach, cot, start)
         for i, g in zip(wrt, gin):
-            result[i + 1] = None if spec.unused is not None and spec.unused[i] else g
+            result[i + 1] = None if unused is not None and unused[i] else g
         return tuple(result)
 
     @staticmethod
