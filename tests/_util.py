@@ -13,6 +13,21 @@ def ident(f):
     return f
 
 
+def plain_and_remat(make, run, seed: int | None = None) -> tuple:
+    """``run(g)`` for ``g`` the plain function ``make(calls)`` and for its ``remat``, each with the
+    number of times its Python ran (``calls``' length): ``((plain, runs), (remat, runs))``.
+    ``seed``: torch's global seed before each, so that their draws are alike."""
+    from remat_fn import remat
+
+    out = []
+    for wrap in (ident, remat):
+        calls: list = []
+        if seed is not None:
+            torch.manual_seed(seed)
+        out.append((run(wrap(make(calls))), len(calls)))
+    return tuple(out)
+
+
 def assert_tree_close(a, b, *, exact: bool = False, rtol=1e-6, atol=1e-7):
     la, ta = optree.tree_flatten(a, none_is_leaf=True)
     lb, tb = optree.tree_flatten(b, none_is_leaf=True)

@@ -10,7 +10,7 @@ from remat_fn import RematError, remat
 from remat_fn._rng_state import RNGSnapshot
 from remat_fn.policies import dots_saveable, everything_saveable, memory_budget
 
-from ._util import assert_tree_close
+from ._util import assert_tree_close, plain_and_remat
 
 
 def drop_block(x, w):
@@ -299,6 +299,13 @@ def test_unbatched_region_drawing_nested_under_vmap_randomness():
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-12)
 
 
+def _drawing(calls):
+    def f(x, w):
+        calls.append(1)
+        return torch.nn.functional.dropout((x * w).sin(), 0.5) + torch.rand(4, dtype=_D) * w
+    return f
+
+
 _BATCHED_DRAWS = {
     "grad_vmap": lambda g, x, w: grad(lambda w: g(x, w).pow(2).sum())(w),
     "jacrev_vmap": lambda g, x, w: torch.func.jacrev(lambda w: g(x, w).sum(0))(w),
@@ -320,19 +327,8 @@ def test_batched_region_drawing_under_vmap_replays_its_draws(how, randomness):
     # run was refused with a RematError.
     x = torch.randn(3, 4, dtype=_D, generator=torch.Generator().manual_seed(2))
     w0 = torch.randn(4, dtype=_D, generator=torch.Generator().manual_seed(3))
-
-    def make(calls):
-        def f(x, w):
-            calls.append(1)
-            return torch.nn.functional.dropout((x * w).sin(), 0.5) + torch.rand(4, dtype=_D) * w
-        return f
-    results = []
-    for wrap in (lambda f: f, remat):
-        calls: list = []
-        g = vmap(wrap(make(calls)), in_dims=(0, None), randomness=randomness)
-        torch.manual_seed(11)
-        results.append((_BATCHED_DRAWS[how](g, x, w0.clone()), len(calls)))
-    (want, n_plain), (got, n_remat) = results
+    (want, n_plain), (got, n_remat) = plain_and_remat(
+        _drawing, lambda f: _BATCHED_DRAWS[how](vmap(f, in_dims=(0, None), randomness=randomness), x, w0.clone()), seed=11)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     assert n_remat == n_plain == 1
 
@@ -358,17 +354,7 @@ def test_per_sample_gradients_with_batched_draws(how):
     xb = torch.randn(3, 4, dtype=_D, generator=torch.Generator().manual_seed(4))
     w0 = torch.randn(4, dtype=_D, generator=torch.Generator().manual_seed(5))
     run, runs = _PER_SAMPLE_DRAWS[how]
-
-    def make(calls):
-        def f(x, w):
-            calls.append(1)
-            return torch.nn.functional.dropout((x * w).sin(), 0.5) + torch.rand(4, dtype=_D) * w
-        return f
-    results = []
-    for wrap in (lambda f: f, remat):
-        calls: list = []
-        torch.manual_seed(12)
-        results.append((run(wrap(make(calls)), xb, w0.clone().requires_grad_(how.startswith("eager"))), len(calls)))
-    (want, n_plain), (got, n_remat) = results
+    (want, n_plain), (got, n_remat) = plain_and_remat(
+        _drawing, lambda f: run(f, xb, w0.clone().requires_grad_(how.startswith("eager"))), seed=12)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     assert n_plain == 1 and (runs is None or n_remat == runs)

@@ -15,7 +15,7 @@ from torch.func import functional_call, grad, hessian, jacfwd, jacrev, vjp, vmap
 from remat_fn import remat
 from remat_fn.nn import remat_module
 
-from ._util import assert_tree_close
+from ._util import assert_tree_close, plain_and_remat
 
 D = torch.float64
 
@@ -212,11 +212,6 @@ def test_vjp_fn_called_under_vmap_after_its_level_exited(how, draw):
             out = (x * w).sin()
             return out * torch.rand(4, dtype=D) if draw else out
         return f
-    results = []
-    for wrap in (lambda f: f, remat):
-        calls: list = []
-        torch.manual_seed(3)
-        results.append((_VJP_FN_UNDER_VMAP[how](wrap(make(calls)), x, w), len(calls)))
-    (want, n_plain), (got, n_remat) = results
+    (want, n_plain), (got, n_remat) = plain_and_remat(make, lambda f: _VJP_FN_UNDER_VMAP[how](f, x, w), seed=3)
     assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
     assert n_remat == n_plain == 1
