@@ -451,7 +451,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     devices = call.rng_devices(inputs)
     snap = RNGSnapshot(devices) if call.opts.preserve_rng_state else None
     # storages made inside the region (recorded on retries, and from the start where the function calls torch.func)
-    produced = set() if calls_torch_func or call.makes_unseen else None
+    produced = set() if calls_torch_func else None
     prof = AMBIENT.profiles[-1] if AMBIENT.profiles else None  # (remat_fn.profile(), innermost)
     start = time.perf_counter() if prof is not None else 0.0
     grad_mode = torch.is_grad_enabled()
@@ -542,10 +542,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             if produced is None:
                 # The tensor may have been made inside the region where no torch
                 # function sees it (by autograd in a torch.func.grad the function
-                # calls, or a torch.func.vmap's output): run again, recording what the region's ops
-                # produce (its later calls, from the start)
+                # calls): run again, recording what the region's ops produce.
                 produced = set()
-                call.note_unseen()
                 continue
             t = e.tensor
             if any(t is c for c in captured):  # pragma: no cover - defensive

@@ -38,9 +38,6 @@ _accelerator: list[bool] = []
 # region functions (the very objects) that called a torch.func transform, which refuses the
 # hooks path's saved-tensor hooks: their later calls start on the torch.func path
 _CALLS_TORCH_FUNC: weakref.WeakSet = weakref.WeakSet()
-# functions whose forward made a tensor needing a gradient that no torch function saw made
-# (``torch.func.vmap``'s outputs): see RegionCall.makes_unseen
-_MAKES_UNSEEN: weakref.WeakSet = weakref.WeakSet()
 
 
 def _has_accelerator() -> bool:
@@ -177,23 +174,6 @@ class RegionCall:
         object: a lambda made per call, or a bound method, is tried each time."""
         try:
             _CALLS_TORCH_FUNC.add(self.fun)
-        except TypeError:
-            pass
-
-    @property
-    def makes_unseen(self) -> bool:
-        """The function's forward made, before, a tensor needing a gradient that no torch function
-        saw made (the output of a ``torch.func.vmap`` it calls): the torch.func path records from the
-        start what its ops produce, instead of running the function again to find out (see
-        :meth:`note_unseen`).  Only the same object, as :meth:`note_torch_func`."""
-        try:
-            return self.fun in _MAKES_UNSEEN
-        except TypeError:
-            return False
-
-    def note_unseen(self) -> None:
-        try:
-            _MAKES_UNSEEN.add(self.fun)
         except TypeError:
             pass
 
