@@ -104,7 +104,7 @@ from ._offload import FuncInputs, hint, input_offloads
 from ._profile import storage_bytes
 from ._record import Record, recording_tapes, saving
 from ._region import RegionCall, entered, region_depth
-from ._replay_live import CannotReplay, forward_reached, output_value, replay_fn, replay_jvp, replay_vjp
+from ._replay_live import CannotReplay, forward_reached, inputs_reaching, output_value, replay_fn, replay_jvp, replay_vjp
 from ._rerun import check_again, recompute_fn, rerun_vjp
 from ._rng_state import RNGSnapshot
 from ._tape import Tape, Value
@@ -178,8 +178,8 @@ class _RematFunction(torch.autograd.Function):
                         spec.layers = ([batch_layers(t) for t in tensors], [batch_layers(t) for t in o])
                     if spec.batched and all(is_vmap_kind(k) for k in spec.levels.values()):  # (eager autograd around vmap:
                         # an input no output is computed from gets no gradient, None, as plain autograd gives it)
-                        diff_o = [t for t in o if differentiable(t)]
-                        spec.unused = [not any(forward_reached(tape, diff_o, {id(unwrap_all(t))}, True)) for t in tensors]
+                        reach = inputs_reaching(tape, [t for t in o if differentiable(t)], [id(unwrap_all(t)) for t in tensors], True)
+                        spec.unused = [not r for r in reach]
                     roots = [t.grad_fn for t in o if isinstance(t, torch.Tensor) and t.grad_fn is not None]
                     if frame is not None and not spec.held_inputs:  # (checked if a replay is asked for: the graph is kept anyway)
                         spec.roots = roots
@@ -354,12 +354,12 @@ class _RematFunction(torch.autograd.Function):
         gin = None
         # (under vmap(grad), a backward whose grad level has exited, under vmaps alone (a vjp_fn called
         # under a vmap, jacrev's over the cotangents): the batched replay, as under grad(vmap))
-        batched = spec.layers is not None and (not vmaps_outermost(spec.levels) or all(is_vmap_kind(k) for k in live_levels().values()))
-        if _replayable(spec, batched):
+        vmaps_alone = spec.layers is not None and all(is_vmap_kind(k) for k in live_levels().values())
+        if _replayable(spec, spec.layers is not None and (vmaps_alone or not vmaps_outermost(spec.levels))):
             try:
                 with torch.no_grad() if detach else _NULL:
                     if spec.batched:  # (nothing differentiates this backward: grad mode off says so under vmaps alone)
-                        alone = detach or (not torch.is_grad_enabled() and all(is_vmap_kind(k) for k in live_levels().values()))
+                        alone = detach or (not torch.is_grad_enabled() and vmaps_alone)
                         vjp_fn = functools.partial(replay_vjp, spec, tensors, wrt=wrt, out_diff=out_diff, region=_run_span, quiet=alone)
                     else:
                         vjp_fn = torch.func.vjp(replay_fn(spec, tensors, wrt, out_diff, _run_span), *[tensors[i] for i in wrt])[1]

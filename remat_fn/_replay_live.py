@@ -46,7 +46,8 @@ from ._tape import Value
 from ._torch_internals import DisableFuncTorch, TorchDispatchMode, below_level, below_transforms
 from ._unseen import unseen_alias
 
-__all__ = ["CannotReplay", "replay_outputs", "replay_fn", "replay_jvp", "output_value", "forward_reached", "INDEPENDENT"]
+__all__ = ["CannotReplay", "replay_outputs", "replay_fn", "replay_jvp", "output_value", "forward_reached", "inputs_reaching",
+           "INDEPENDENT"]
 
 _NULL = contextlib.nullcontext()
 
@@ -146,21 +147,46 @@ def forward_reached(tape, outs, bases: set, grad_only: bool = False) -> list[boo
     through ops other than ``detach`` (and those run under ``inference_mode``): what forward
     mode differentiates, whatever the grad mode (a tangent is not stopped by ``no_grad``);
     ``grad_only``: through ops run in grad mode, what reverse mode differentiates."""
-    live: set[int] = set()
+    return [m != 0 for m in _reach_masks(tape, outs, dict.fromkeys(bases, 1), grad_only)]
+
+
+def inputs_reaching(tape, outs, bases: list, grad_only: bool = False) -> list[bool]:
+    """For each of ``bases`` (ids as in :func:`forward_reached`, one per input), whether the tape
+    computes any of ``outs`` from it: one walk for all of them."""
+    bit_of: dict[int, int] = {}
+    for k, b in enumerate(bases):
+        bit_of[b] = bit_of.get(b, 0) | 1 << k
+    reached = 0
+    for m in _reach_masks(tape, outs, bit_of, grad_only):
+        reached |= m
+    return [bool(reached >> k & 1) for k in range(len(bases))]
+
+
+def _reach_masks(tape, outs, bit_of: dict[int, int], grad_only: bool) -> list[int]:
+    """For each of ``outs``, the bits (``bit_of``: plain tensor id -> bits) of the bases it is computed
+    from (see :func:`forward_reached`)."""
+    live: dict[int, int] = {}
     for n in tape.nodes:
         if n is None or n.func is DETACH or n.func in INDEPENDENT or n.inference or (grad_only and not n.grad):
             continue
-        if any(id(r) in live or (r.node < 0 and r.t is not None and id(r.t) in bases) for r in n.reads):
-            live.update(id(v) for v in n.outs if v is not None)
-            live.update(id(w) for _, w in n.writes)
+        m = 0
+        for r in n.reads:
+            m |= live.get(id(r), 0) | (bit_of.get(id(r.t), 0) if r.node < 0 and r.t is not None else 0)
+        if m:
+            for i in [id(v) for v in n.outs if v is not None] + [id(w) for _, w in n.writes]:
+                live[i] = live.get(i, 0) | m
     out = []
     for t in outs:
         if not isinstance(t, torch.Tensor):
-            out.append(False)
+            out.append(0)
             continue
         b = unwrap_all(t)
         # (an input returned as it came carries its tangent; the last write into an output's storage, too)
-        out.append(id(b) in bases or any(v is not None and id(v) in live for v in (tape.value_of(b), tape.write_before(b))))
+        m = bit_of.get(id(b), 0)
+        for v in (tape.value_of(b), tape.write_before(b)):
+            if v is not None:
+                m |= live.get(id(v), 0)
+        out.append(m)
     return out
 
 
