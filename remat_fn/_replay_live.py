@@ -457,7 +457,7 @@ def replay_jvp(spec, tensors, tangents, wrt, out_diff, region=None) -> tuple:
                               tuple(tangents[i] for i in wrt))[1]
     phys, live, level_of = _physical_inputs(spec, tensors, {})
     out_layers = [lay for lay, d in zip(spec.layers[1], out_diff) if d]
-    extra, tans = _physical_args([tangents[k] for k in wrt], [live[k] for k in wrt], level_of, {})
+    extra, tans = _physical_args([tangents[k] for k in wrt], [live[k] for k in wrt], level_of, {}, False)
     for k in wrt:  # (a dual of a tensor whose elements share memory (an expanded batch) is refused: its copy)
         if any(st == 0 and n > 1 for st, n in zip(phys[k].stride(), phys[k].shape)):
             phys[k] = phys[k].contiguous()
@@ -493,7 +493,7 @@ def replay_vjp(spec, tensors, cot, wrt, out_diff, region=None, quiet: bool = Tru
     if any(not apart <= {lv for lv, _ in live[k]} or (spec.apart is not None and not spec.apart[k]) for k in wrt):
         raise CannotReplay("a vmap outside the grad level batches the region, not a differentiated input: its examples' gradients stay apart")
     out_layers = [_live_layers(lay, level_of) for lay, d in zip(spec.layers[1], out_diff) if d]
-    extra, cots = _physical_args(cot, out_layers, level_of, how)
+    extra, cots = _physical_args(cot, out_layers, level_of, how, True)
     # (on plain tensors, below every level: the replay, and a region nested in it, sees none, as
     # under plain autograd; a rule's vmap level around it holding no batched tensor made such a
     # region watch its every tensor as a side output.  Not quiet: below the levels inside the
@@ -531,14 +531,14 @@ def _live_layers(lay, level_of) -> list:
     return [(level_of[fresh], bdim) for fresh, bdim in lay]
 
 
-def _physical_args(args, layers, level_of, how) -> tuple[list, list]:
+def _physical_args(args, layers, level_of, how, cotangents: bool) -> tuple[list, list]:
     """Tangents or cotangents ``args`` laid out as the plain tensors of ``layers`` (see
     to_physical), their own vmap levels (``extra``: jacfwd's or jacrev's basis) first."""
     peeled = [peel_vmaps(a, **how) for a in args]
     if any(p is None for p in peeled):
         raise CannotReplay("a tangent is wrapped at another level")
     mine = set(level_of.values())
-    if how:  # (cotangents: where the recorded result is not batched at a level of the rule's, summed over it)
+    if cotangents:  # (where the recorded result is not batched at a level of the rule's, summed over it)
         peeled = [sum_levels(p, {lv for lv, _ in p[1]} & mine - {lv for lv, _ in lay}) for p, lay in zip(peeled, layers)]
     extra = sorted({lv for p in peeled for lv, _ in p[1]} - mine)
     sizes = dict(vmap_sizes())
