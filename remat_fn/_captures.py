@@ -490,9 +490,10 @@ class CaptureMode(TorchFunctionMode):
         if func in _DATA:
             self.opaque = "autograd" if func in _AUTOGRAD else self.opaque or True
             if func is _HOOK and self.known is None and not requires_grad_anywhere(args[0]):
-                # (a forward-mode recomputation, which differentiates nothing: the hook, on a
-                # tensor that required grad in the forward, has nothing to act on)
+                # (a forward-mode recomputation, which differentiates nothing: the hook has nothing to act on)
                 return RemovableHandle(_NO_HOOKS)
+        if func == _DATA_GET and not is_wrapped(args[0]) and id(args[0]) in self.subst:  # (a tensor it closes over: as plain code reads it)
+            return func(args[0])
         if func in _METADATA:  # (reads no values: nothing to thread, whatever tensor it is)
             return func(*[self.subst.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args], **(kwargs or {}))
         given = args[0] if args else None  # (before _fix: a constant of a level set aside, unwrapped there)
@@ -515,8 +516,7 @@ class CaptureMode(TorchFunctionMode):
             if self.fwd_only:
                 args, kwargs = untracked_stats(func, args, kwargs, self.fwd_only)
             grad = AMBIENT.call_grad
-            # (what the tape records, see call_grad_mode: inside a torch.func transform the function
-            # calls, the mode its ops reach the region's level with)
+            # (what the tape records, see call_grad_mode: under a torch.func transform it calls, as its ops reach this level)
             AMBIENT.call_grad = grad_mode_at(self.base)
             try:
                 if func is custom_function_call and invisible(args[0], self.levels):  # (under no_grad)
@@ -543,7 +543,7 @@ class CaptureMode(TorchFunctionMode):
 # (below autograd an out-of-place ``detach`` nothing reads), autograd called inside (its
 # backward's ops, recorded, are not the graph an outer level differentiates): where something outside
 # differentiates the region's backward, the function runs again instead (spec.foreign)
-_HOOK = torch.Tensor.register_hook
+_HOOK, _DATA_GET = torch.Tensor.register_hook, torch.Tensor.data.__get__
 _AUTOGRAD = frozenset({torch.autograd.grad, torch.autograd.backward})
 _NO_HOOKS: collections.OrderedDict = collections.OrderedDict()
 _DATA = frozenset({torch.Tensor.data.__get__, torch.Tensor.data.__set__, _HOOK,

@@ -26,7 +26,7 @@ from ._torch_internals import DisableFuncTorch, dispatch_stack_len, function_cla
 from .memory import storage_released
 
 __all__ = ["KeepHandles", "Unpack", "alias_output", "release_outputs", "from_graph", "note_storage",
-           "saved_storages", "can_drop_graph", "foreign_functions"]
+           "saved_storages", "can_drop_graph", "foreign_functions", "unread_inputs"]
 
 
 _NULL = contextlib.nullcontext()
@@ -152,7 +152,7 @@ def release_outputs(douts) -> tuple:
     return tuple(out)
 
 
-def from_graph(spec, tensors, wrt, grads) -> tuple:
+def from_graph(spec, tensors, wrt, grads, linear: bool = False) -> tuple:
     """Backward through the forward level's graph: its saved tensors come back from the
     tape's replay, so the function does not run again (its Python side effects happen
     once).  Only where nothing outside differentiates this backward: no other grad level
@@ -167,7 +167,7 @@ def from_graph(spec, tensors, wrt, grads) -> tuple:
             cot[p] = torch.zeros(m[0], dtype=m[1], device=m[2])
     start = time.perf_counter()
     spec.frame.consumed = set()  # (a new backward pass through the graph)
-    with torch.no_grad():
+    with contextlib.nullcontext() if linear else torch.no_grad():
         gin = spec.graph(tuple(cot))
     if spec.prof is not None:
         spec.prof.record_recompute(spec.name, time.perf_counter() - start)
@@ -188,7 +188,7 @@ def note_storage(found: dict[int, int], t: torch.Tensor) -> None:
         return
 
 
-def can_drop_graph(saved, grads) -> bool:
+def can_drop_graph(saved, grads, linear: bool = False, eager: bool = False) -> bool:
     """True when nothing outside this backward can differentiate its result.
 
     The backward being run belongs to one grad level: a dead one when it is a
@@ -207,10 +207,10 @@ def can_drop_graph(saved, grads) -> bool:
         return False
     live = live_levels()
     wrappers = []
-    for t in (*saved, *grads):
+    for k, t in enumerate((*saved, *grads)):
         if isinstance(t, torch.Tensor):
             ws, base = grad_wrappers(t)
-            if base.requires_grad:
+            if base.requires_grad and not eager and not (linear and k >= len(saved)):
                 return False
             wrappers.extend(ws)
     if not wrappers:
@@ -220,6 +220,17 @@ def can_drop_graph(saved, grads) -> bool:
         return not alive
     this = max(lv for lv, _ in wrappers)
     return all(lv == this for lv in alive)
+
+
+def unread_inputs(tape, tensors, returned: set[int]) -> list[bool]:
+    """For each of the Function's inputs: whether no op of the region read it, as the ``tape``
+    holds them (before it lets go, see Tape.release), nor did the function return it (ids in
+    ``returned``): a tensor the closure reaches but the function never touches (a module's own
+    parameters under ``functional_call``, which may share memory with the tensors it swaps in:
+    told apart by identity, as autograd tells them).  Only for a region whose backward runs no
+    code of the user's (no custom Function, no hook: what it reads there no op shows)."""
+    reg = tape.reg or {}
+    return [(i := id(unwrap_all(t))) not in reg and i not in returned for t in tensors]
 
 
 def foreign_functions(roots, own, steps=None) -> bool:

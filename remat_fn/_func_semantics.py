@@ -433,7 +433,7 @@ class RegionState:
                  "fwd_hits", "rec", "needs", "trace", "views", "autocast", "produced", "prof",
                  "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
-                 "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "batched", "replay", "widen", "apart", "unused",
+                 "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "batched", "replay", "widen", "apart", "unused", "unread",
                  "side_objs", "nested_side", "late_objs", "relocate", "check", "fwd", "fwd_only", "fwd_diff", "aliased", "aborted",
                  "grad_left", "rev", "held_inputs", "rerun_objs", "given_ids", "layers")
 
@@ -453,6 +453,7 @@ class RegionState:
         self.layers = None  # under vmap of forward mode: the batch layers of the inputs and outputs
         self.apart: list[bool] | None = None  # see remat_fn._functorch.apart_inputs
         self.unused: list[bool] | None = None  # (eager autograd around vmap: see _RematFunction.forward)
+        self.unread: list[bool] | None = None  # per input: no op of the region read it (see unread_inputs)
         self.rerun_objs: list = []  # what the jvp rule's run again left in the caller's objects, per side output
         self.side_objs: list = []  # (the caller's object, its (call index, position)) per side output
         self.nested_side: dict = {}  # the same for the regions nested in it (see CaptureMode's first)

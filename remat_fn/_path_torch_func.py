@@ -58,6 +58,7 @@ from ._func_graph import (
     note_storage,
     release_outputs,
     saved_storages,
+    unread_inputs,
 )
 from ._func_outputs import alias_map, batched_outputs, rebuild, returned
 from ._func_semantics import (
@@ -90,6 +91,7 @@ from ._functorch import (
     forward_mode_active,
     forward_mode_at,
     grad_on_top,
+    grad_wrappers,
     is_vmap_kind,
     live_levels,
     needs_grad,
@@ -145,6 +147,7 @@ class _RematFunction(torch.autograd.Function):
             measure = spec.rec.policy is not None or spec.prof is not None  # what autograd would save
             tape = spec.tape
             roots: list = []
+            returned_ids: set[int] = set()  # (the tensors the function returned, below their wrappers)
             noted: dict[int, int] = {}
             frame = spec.frame
             hooks = None
@@ -171,6 +174,7 @@ class _RematFunction(torch.autograd.Function):
                 spec.escaped = []  # (a candidate nothing else held died here: no side output)
                 pos, refs = [list(x) for x in zip(*[c for c in cands if c[1]() is not None])] or ([], [])
                 o = o + tuple(r() for r in refs)
+                returned_ids.update(id(unwrap_all(t)) for t in o if isinstance(t, torch.Tensor))
                 # (see _replay_live; draws under vmap: a replay of the batched ops draws them as they were)
                 if (frame is not None or spec.replay) and not spec.aliased and (frame is None or spec.batched or not draws_in_vmap(spec, tape)):
                     spec.out_values = [output_value(tape, t) for t in o]
@@ -211,6 +215,8 @@ class _RematFunction(torch.autograd.Function):
                 spec.dmeta = [out_meta(t) for t in douts]
             del vjp_fn  # without a frame, the level's graph: what it saved dies here
             spec.written = tape.pre_write
+            if not keep and not tape.functions and not spec.foreign:  # (see unread_inputs)
+                spec.unread = unread_inputs(tape, tensors, returned_ids)
             tape.written_storages = []  # (only a retry of this forward puts them back)
             rebuild, mask, saved, pos, refs = box.pop()
             # Side outputs are swapped into the caller's objects: backward replays the recorded forward,
@@ -339,7 +345,9 @@ class _RematFunction(torch.autograd.Function):
         if not wrt:
             return tuple(result)
         out_diff = ctx.out_diff
-        detach = can_drop_graph(ctx.saved_tensors, grads)
+        unread = spec.unread if spec.unread is not None and not _foreign(spec) else None
+        saved = ctx.saved_tensors if unread is None else [t for t, u in zip(ctx.saved_tensors, unread) if not u]
+        detach = can_drop_graph(saved, grads)
         grads = tuple(unwrap_if_dead(g) if g is not None else None for g in grads)
         if spec.check and (spec.graph is not None or _replayable(spec)):  # (strict checks: debug, early_stop=False)
             check_again(spec, tensors, wrt, out_diff, detach, _cotangents(spec, grads, out_diff))
@@ -347,6 +355,9 @@ class _RematFunction(torch.autograd.Function):
         quiet = (detach or not torch.is_grad_enabled()) and not forward_mode_active()
         if quiet and spec.graph is not None and (not spec.batched or grad_on_top()):  # (batched saved tensors: see rebatch)
             return from_graph(spec, tensors, wrt, grads)
+        if not quiet and spec.graph is not None and (not spec.batched or grad_on_top()) and not forward_mode_active() \
+                and can_drop_graph(saved, grads, linear=True):
+            return from_graph(spec, tensors, wrt, grads, linear=True)
         cot = _cotangents(spec, grads, out_diff)
         start = time.perf_counter()
         # The recorded forward, replayed (where an outer transform differentiates this backward, for a nested
@@ -355,12 +366,19 @@ class _RematFunction(torch.autograd.Function):
         # (under vmap(grad), a backward whose grad level has exited, under vmaps alone (a vjp_fn called
         # under a vmap, jacrev's over the cotangents): the batched replay, as under grad(vmap))
         vmaps_alone = spec.layers is not None and all(is_vmap_kind(k) for k in live_levels().values())
-        if _replayable(spec, spec.layers is not None and (vmaps_alone or not vmaps_outermost(spec.levels))):
+        # (vmap(grad) where eager autograd alone may differentiate the backward: the batched replay below
+        # every level, which eager autograd records as it records plain code's batched ops)
+        eager = spec.layers is not None and not quiet and not forward_mode_active() and can_drop_graph(saved, grads, eager=True)
+        if _replayable(spec, spec.layers is not None and (vmaps_alone or eager or not vmaps_outermost(spec.levels))):
             try:
                 with torch.no_grad() if detach else _NULL:
                     if spec.batched:  # (nothing differentiates this backward: grad mode off says so under vmaps alone)
-                        alone = detach or (not torch.is_grad_enabled() and vmaps_alone)
-                        vjp_fn = functools.partial(replay_vjp, spec, tensors, wrt=wrt, out_diff=out_diff, region=_run_span, quiet=alone)
+                        alone = detach or eager or (not torch.is_grad_enabled() and vmaps_alone)
+                        # (a grad level's backward keeps the examples of a vmap outside it apart; eager autograd's,
+                        # through the rule's vmap, sums them: its saved tensors carry no grad wrapper)
+                        own = any(grad_wrappers(t)[0] for t in ctx.saved_tensors if isinstance(t, torch.Tensor))
+                        vjp_fn = functools.partial(replay_vjp, spec, tensors, wrt=wrt, out_diff=out_diff, region=_run_span,
+                                                   quiet=alone, apart=own)
                     else:
                         vjp_fn = torch.func.vjp(replay_fn(spec, tensors, wrt, out_diff, _run_span), *[tensors[i] for i in wrt])[1]
                     if spec.prof is not None:
@@ -413,10 +431,16 @@ def _replayable(spec: RegionState, batched: bool = False) -> bool:
         return False
     if spec.tape is not None and not all(spec.tape.functions.values()):  # (a custom Function no step stands for)
         return False
+    return not _foreign(spec)
+
+
+def _foreign(spec: RegionState) -> bool:
+    """The region's graph holds what the tape cannot stand for (a custom Function no step stands
+    for, ``.data``, a hook, autograd called inside: see CaptureMode), found once."""
     if spec.foreign is None:
         spec.foreign = foreign_functions(spec.roots, _RematFunction, spec.tape and spec.tape.functions)
         spec.roots = []
-    return not spec.foreign
+    return bool(spec.foreign)
 
 
 def _cotangents(spec: RegionState, grads, out_diff) -> tuple:

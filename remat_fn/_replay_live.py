@@ -473,7 +473,7 @@ def replay_jvp(spec, tensors, tangents, wrt, out_diff, region=None) -> tuple:
     return _logical(push(*tans), [_live_layers(lay, level_of) for lay in out_layers], [len(m[0]) for m in metas], extra, {})
 
 
-def replay_vjp(spec, tensors, cot, wrt, out_diff, region=None, quiet: bool = True) -> tuple:
+def replay_vjp(spec, tensors, cot, wrt, out_diff, region=None, quiet: bool = True, apart: bool = True) -> tuple:
     """The Function's ``backward`` where ``vmap`` levels inside the grad level batch the region
     (``grad(vmap(f))``, ``jacrev(vmap(f))``): the input gradients for the cotangents ``cot``, pulled
     back through the recorded forward on the batched tensors below the vmaps (the rule's own vmap
@@ -482,15 +482,19 @@ def replay_vjp(spec, tensors, cot, wrt, out_diff, region=None, quiet: bool = Tru
     as plain code's.  ``quiet``: nothing differentiates the backward, which runs below every level;
     otherwise (``hessian(vmap(f))``, ``grad(grad(vmap(f)))``, ``create_graph=True`` around ``vmap(f)``)
     below the rule's vmap levels only, so that the levels outside, and autograd, differentiate the
-    replay as they would the function.  The function's Python does not run."""
+    replay as they would the function.  The function's Python does not run.  ``apart``: the backward
+    is a grad level's, which keeps each example of a vmap outside it apart (``spec.apart``: as the
+    forward's levels say); eager autograd's, through the rule's vmap, sums them as plain code's.
+    Under eager autograd too (``vmap(grad(f))``, a gradient penalty on the per-sample gradients),
+    ``quiet`` runs it below every level: eager autograd records the batched ops, as plain code's."""
     outer = [lv for lv, kind in live_levels().items() if not is_vmap_kind(kind)]
     how = {"below": True} if quiet else {"above": max(outer, default=0)}
     phys, live, level_of = _physical_inputs(spec, tensors, how)
     # (vmap(grad(vmap(f))): a vmap outside the grad level keeps each example's gradient apart, which a
     # replay below it does too for an input it batches, and sums over its examples for one it does not;
     # judged by the forward's levels too: a vjp_fn called after its level exited sees no grad level)
-    apart = {lv for lv in level_of.values() if outer and lv < max(outer)}
-    if any(not apart <= {lv for lv, _ in live[k]} or (spec.apart is not None and not spec.apart[k]) for k in wrt):
+    keep = {lv for lv in level_of.values() if outer and lv < max(outer)}
+    if any(not keep <= {lv for lv, _ in live[k]} or (apart and spec.apart is not None and not spec.apart[k]) for k in wrt):
         raise CannotReplay("a vmap outside the grad level batches the region, not a differentiated input: its examples' gradients stay apart")
     out_layers = [_live_layers(lay, level_of) for lay, d in zip(spec.layers[1], out_diff) if d]
     extra, cots = _physical_args(cot, out_layers, level_of, how, True)

@@ -264,10 +264,6 @@ _EVERY = ["eager", "create_graph", "retain_graph_twice", "grad", "vjp", "jvp", "
           "vmap", "vmap_grad", "grad_of_grad", "nested", "remat_scan", "compile"]
 # what still runs the function's Python again, and why (docs/design.md, "What still re-runs")
 _RERUNS = {
-    "vmap_grad": "the region wraps functional_call and closes over the module's own parameters, which require grad: "
-                 "eager autograd may differentiate the backward, where the forward level's graph cannot serve and "
-                 "the replay of the batched ops cannot run under vmap; backward runs the function again "
-                 "(a region inside functional_call runs once: tests/test_vmap_grad_replay.py)",
     "compile": "torch.compile traces the region into torch's checkpoint operator; Dynamo runs the function's "
                "Python twice while tracing it (once more than the plain module)",
 }

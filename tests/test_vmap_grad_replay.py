@@ -49,6 +49,119 @@ def test_per_sample_gradients_of_a_module_run_it_once():
     assert plain.calls == 1 and block.calls == 1
 
 
+@pytest.mark.parametrize("eager_weight", [False, True])
+def test_per_sample_gradients_of_a_region_wrapping_functional_call(eager_weight):
+    """The region calls functional_call itself: it closes over the module, whose own
+    parameters (requiring grad) it never reads.  They neither make backward run the function
+    again nor change what eager autograd differentiates around the per-sample gradients (a
+    loss weight outside the region that requires grad reaches them through the cotangents)."""
+    torch.manual_seed(0)
+    block = _Block()
+    params = {k: v.detach() for k, v in block.named_parameters()}
+    xs = torch.randn(3, 6, 4, dtype=D)
+    scale = torch.randn(4, dtype=D, requires_grad=eager_weight)
+
+    def run(wrap):
+        block.calls = 0
+        scale.grad = None
+        call = lambda p, x: wrap(lambda x: functional_call(block, p, (x,)))(x)
+        g = vmap(grad(lambda p, x: (call(p, x) * scale).pow(2).sum()), in_dims=(None, 0))(params, xs)
+        out = [g, block.calls]
+        if eager_weight:
+            (g["lin.weight"].pow(2).sum() + g["lin2.bias"].sin().sum()).backward()
+            out.append(scale.grad)
+        return out
+
+    want, got = run(lambda f: f), run(remat)
+    assert got[1] == want[1] == 1
+    assert_tree_close(got[0], want[0])
+    if eager_weight:
+        assert_tree_close(got[2], want[2])
+
+
+def _reads_in_backward(how):
+    """A region that reaches ``w`` but reads it only in backward code of its own: a hook, a
+    custom Function's backward (stored on ctx), a global its backward reads; or returns it."""
+    w = torch.tensor([1.5, 2.0, -0.5], dtype=D, requires_grad=True)
+
+    class G(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x):
+            return x.sin()
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0])
+            ctx.w = w
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * ctx.saved_tensors[0].cos() * ctx.w
+
+    def hook(x):
+        h = x.sin()
+        h.register_hook(lambda g: g * w)
+        return h
+
+    fns = {"hook": hook, "function_backward": lambda x: G.apply(x) if w is not None else x,
+           "returned": lambda x: (x.sin(), w)}
+    return w, fns[how]
+
+
+def _total(r):
+    return (r[0] * r[1]).sum() if isinstance(r, tuple) else r.sum()
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "vmap_grad"])
+@pytest.mark.parametrize("how", ["hook", "function_backward", "returned"])
+def test_a_closed_over_tensor_read_only_in_backward_keeps_eager_autograd_through_it(how, transform):
+    """The tensors no op of the forward reads (see unread_inputs) leave backward's graph alone
+    only where the backward runs no code of the user's: a tensor a hook or a custom Function's
+    backward reads, or one the function returns, still ties eager autograd to the gradient
+    (found by a hostile pass over a first version: w's gradient None or a RuntimeError)."""
+    x0 = torch.tensor([0.3, -0.7, 1.1], dtype=D)
+    xs = torch.stack([x0, x0.cos()])
+    c = torch.tensor([0.2, 0.1, 0.4], dtype=D)
+
+    def run(wrap):
+        w, f = _reads_in_backward(how)
+        loss = lambda x: _total(wrap(f)(x)) + (x * c).sum()
+        if transform == "grad":
+            g = grad(loss)(x0)
+        elif transform == "vjp":
+            out, fn = vjp(loss, x0)
+            g = fn(torch.ones_like(out))[0]
+        else:
+            g = vmap(grad(loss))(xs)
+        return g, torch.autograd.grad((g ** 2).sum(), w, allow_unused=True)[0]
+
+    assert_tree_close(run(remat), run(lambda f: f))
+
+
+@pytest.mark.parametrize("loss", ["sum", "square"])
+def test_vmap_grad_of_a_module_whose_parameters_require_grad_runs_it_once(loss):
+    """Per-sample input gradients of a module with ordinary parameters (they require grad): eager
+    autograd may differentiate them (a gradient penalty), so backward replays the batched ops
+    below the vmap, recorded by eager autograd as plain code's are; the function runs once."""
+    torch.manual_seed(0)
+    plain = _Block()
+    block = copy.deepcopy(plain)
+    xs = torch.randn(3, 6, 4, dtype=D)
+
+    def run(m, f):
+        m.calls = 0
+        # (square: the cotangent depends on the output, so the penalty's backward goes through the
+        # region's own eager node too, under the rule's vmap, summing the weight's examples)
+        g = vmap(grad(lambda x: f(x).sum() if loss == "sum" else f(x).pow(2).sum()))(xs)
+        return g, torch.autograd.grad(g.pow(2).sum(), m.lin.weight)[0], m.calls
+
+    want, got = run(plain, plain), run(block, remat(block))
+    assert got[2] == want[2] == 1
+    assert_tree_close(got[:2], want[:2])
+
+
 _G = torch.Generator().manual_seed(4)
 _W = torch.randn(4, 4, dtype=D, generator=_G) / 2
 _XB = torch.randn(3, 2, 4, dtype=D, generator=_G)
