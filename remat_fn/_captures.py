@@ -38,6 +38,7 @@ from ._functorch import (
     needs_grad,
     requires_grad_anywhere,
     storage_ptr,
+    transform_autograd,
     transforms_active,
     unwrap_all,
     unwrap_one,
@@ -406,8 +407,7 @@ class CaptureMode(TorchFunctionMode):
         made, self.made = self.made or [], None
         if self.known is not None:
             self.known.clear()
-        # (an output the caller also keeps, ``side.append(h); return h``, is a side output too:
-        # its object must take the content of a Function output, as its returned twin does)
+        # (an output the caller also keeps, ``side.append(h); return h``, is a side output too: its object takes a Function output's content)
         in_outs = collections.Counter(id(o) for o in outs)
         seen: set[int] = set()
         found = []
@@ -487,7 +487,7 @@ class CaptureMode(TorchFunctionMode):
             self.subst[obj] = t
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _DATA:
+        if func in _DATA and not (func is _GRAD and transform_autograd(args, kwargs, self.base)):
             self.opaque = "autograd" if func in _AUTOGRAD else self.opaque or True
             if func is _HOOK and self.known is None and not requires_grad_anywhere(args[0]):
                 # (a forward-mode recomputation, which differentiates nothing: the hook has nothing to act on)
@@ -543,7 +543,7 @@ class CaptureMode(TorchFunctionMode):
 # (below autograd an out-of-place ``detach`` nothing reads), autograd called inside (its
 # backward's ops, recorded, are not the graph an outer level differentiates): where something outside
 # differentiates the region's backward, the function runs again instead (spec.foreign)
-_HOOK, _DATA_GET = torch.Tensor.register_hook, torch.Tensor.data.__get__
+_HOOK, _DATA_GET, _GRAD = torch.Tensor.register_hook, torch.Tensor.data.__get__, torch.autograd.grad
 _AUTOGRAD = frozenset({torch.autograd.grad, torch.autograd.backward})
 _NO_HOOKS: collections.OrderedDict = collections.OrderedDict()
 _DATA = frozenset({torch.Tensor.data.__get__, torch.Tensor.data.__set__, _HOOK,

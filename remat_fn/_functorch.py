@@ -21,6 +21,7 @@ __all__ = [
     "forward_mode_active", "forward_mode_at", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
     "requires_grad_anywhere", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
     "draws_batched", "batch_layers", "apart_inputs", "rebatch", "sum_levels", "grad_on_top", "vmaps_outermost", "current_level", "grad_mode_at",
+    "transform_autograd",
     "wrap_at_top", "differentiable", "peel_vmaps", "to_physical", "from_physical",
 ]
 
@@ -40,6 +41,20 @@ def unwrap_if_dead(t: torch.Tensor) -> torch.Tensor:
     while C.is_functorch_wrapped_tensor(t) and C.is_dead_tensor_wrapper(t):
         t = C.get_unwrapped(t)
     return t
+
+
+def transform_autograd(args: tuple, kwargs: dict | None, base: int) -> bool:
+    """``torch.autograd.grad(*args, **kwargs)`` is a ``torch.func`` transform's, one the region (at
+    functorch level ``base``) calls, building a graph: inside the transform's level, or its
+    ``vjp_fn`` called after the level exited (the outputs dead wrappers).  Its backward ops then
+    reach the region's level as ops of its graph, which a replay of the tape differentiates alike."""
+    if not (kwargs or {}).get("create_graph", len(args) > 4 and args[4]):
+        return False
+    if current_level() > base:
+        return True
+    outs = args[0] if args else (kwargs or {}).get("outputs")
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    return any(isinstance(t, torch.Tensor) and C.is_functorch_wrapped_tensor(t) and C.is_dead_tensor_wrapper(t) for t in outs)
 
 
 def transform_stack() -> list:

@@ -263,7 +263,10 @@ class _RematFunction(torch.autograd.Function):
                 spec.fwd_diff = spec.fwd_diff[:n] + [spec.fwd_diff[n + k] for k in side]
             spec.plain_bytes = sum(saved.values())
             rec = spec.rec
-            if keep:
+            if keep and spec.replay:  # (the function calls torch.func: backward replays the whole recorded forward)
+                plan_rerun(spec, roots, tensors)
+                spec.plan = None  # (no hook told what autograd saved: a run again, where no replay serves, runs whole)
+            elif keep:
                 # the function calls torch.func (which refuses hooks): what autograd
                 # saved is only known by storage; keep those values, and the
                 # region's outputs (alive anyway), and recompute the whole region
@@ -369,6 +372,8 @@ class _RematFunction(torch.autograd.Function):
         # (vmap(grad) where eager autograd alone may differentiate the backward: the batched replay below
         # every level, which eager autograd records as it records plain code's batched ops)
         eager = spec.layers is not None and not quiet and not forward_mode_active() and can_drop_graph(saved, grads, eager=True)
+        # (likewise where no forward level's graph was kept, the function calling torch.func, and nothing differentiates it)
+        eager = eager or (spec.layers is not None and spec.graph is None and quiet)
         if _replayable(spec, spec.layers is not None and (vmaps_alone or eager or not vmaps_outermost(spec.levels))):
             try:
                 with torch.no_grad() if detach else _NULL:
@@ -429,6 +434,8 @@ def _replayable(spec: RegionState, batched: bool = False) -> bool:
     on the batched tensors below the vmaps, as the tape holds them (the jvp rule)."""
     if spec.out_values is None or (spec.batched and not batched):
         return False
+    if batched and spec.tape is not None and spec.tape.functions:  # (a custom Function's rules and context see the
+        return False  # logical tensors, not the batched ones below the vmaps a batched replay runs on)
     if spec.tape is not None and not all(spec.tape.functions.values()):  # (a custom Function no step stands for)
         return False
     return not _foreign(spec)
@@ -512,8 +519,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         if spec.batched:
             spec.apart = apart_inputs(levels, (*inputs, *closed))
         spec.check = call.strict  # (a run again in backward checks the function; the gradient comes from the forward)
-        rerun = keep_graph or (spec.offload is not None and spec.offload.rerun)
-        if rerun or nested or (spec.batched and not vmaps_outermost(levels)):  # (nested: replays its recorded forward)
+        rerun = (keep_graph and policy is not None) or (spec.offload is not None and spec.offload.rerun)
+        if rerun or keep_graph or nested or (spec.batched and not vmaps_outermost(levels)):  # (nested: replays its recorded forward)
             spec.tape = Tape(func_path=True)
             spec.replay = not rerun
         else:  # backward differentiates the forward's graph, its saved tensors replayed

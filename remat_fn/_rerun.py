@@ -54,7 +54,7 @@ def rerun_vjp(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot, star
     with torch.no_grad() if detach else _NULL:
         with spec.autocast:  # (the forward's autocast for the forward again; its backward, as autograd's, without)
             try:
-                vjp_fn = rerun(spec.tape, plan)
+                vjp_fn = rerun(None if spec.keep_graph else spec.tape, plan)
             except Diverged:  # (after placeholders: again, computing everything)
                 vjp_fn = rerun(None, None)
         if spec.prof is not None:
