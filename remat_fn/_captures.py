@@ -24,12 +24,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from ._ambient import AMBIENT
+from ._capture_ops import ONLY_CPP, ONLY_PY, Produced, carry_grad, in_place, write_below
 from ._debug import CallTrace
 from ._describe import describe
 from ._errors import mutated_input
 from ._function_steps import forward_below, function_steps, invisible
 from ._functorch import (
-    any_batched,
     carries_grad,
     current_level,
     from_lowered_level,
@@ -47,9 +47,7 @@ from ._ops import untracked_stats
 from ._record import recording_tapes
 from ._region import as_caller, region_depth
 from ._torch_internals import (
-    DisableFuncTorch,
     DisableTorchFunction,
-    TorchDispatchMode,
     custom_function_call,
     use_count,
 )
@@ -247,7 +245,7 @@ class CaptureMode(TorchFunctionMode):
         super().__init__()
         # storages the region's own aten ops made (on a retry, by a dispatch mode below every level): made inside
         self.produced = produced
-        self._recorder = _Produced(produced) if produced is not None else None
+        self._recorder = Produced(produced) if produced is not None else None
         self.subst = subst
         self.threaded = frozenset(subst)  # the caller's objects its replacements stand for
         self.known = known
@@ -423,7 +421,7 @@ class CaptureMode(TorchFunctionMode):
                 if holders:
                     cells: set = set()
                     own += sum(h.refs_to(t, cells) for h in holders) + len(cells)
-                if sys.getrefcount(t) - own > (_ONLY_CPP if use_count(t) > 1 else _ONLY_PY):
+                if sys.getrefcount(t) - own > (ONLY_CPP if use_count(t) > 1 else ONLY_PY):
                     seen.add(id(t))
                     found.append(((call, pos), t))
         del made
@@ -500,7 +498,7 @@ class CaptureMode(TorchFunctionMode):
         args = self._fix(args)
         kwargs = self._fix(kwargs) if kwargs else {}
         out = None
-        if args and _in_place(func) and isinstance(a0 := args[0], torch.Tensor):
+        if args and in_place(func) and isinstance(a0 := args[0], torch.Tensor):
             inputs = self.inputs
             if ((inputs is not None and id(a0) in inputs)
                     or (self.input_storages and storage_ptr(a0) in self.input_storages)):
@@ -510,8 +508,8 @@ class CaptureMode(TorchFunctionMode):
             # (or a plain constant under the region's own level: a buffer an enclosing region
             # was given, num_batches_tracked.add_(1), which plain code writes at its level)
             if (from_lowered_level(a0) or (self.levels is not None and not is_wrapped(a0) and not a0.requires_grad
-                                           and transforms_active())) and not _carry_grad(args, kwargs):
-                out = _write_below(func, a0, args, kwargs)
+                                           and transforms_active())) and not carry_grad(args, kwargs):
+                out = write_below(func, a0, args, kwargs)
         if out is None:
             if self.fwd_only:
                 args, kwargs = untracked_stats(func, args, kwargs, self.fwd_only)
@@ -555,96 +553,3 @@ _METADATA = frozenset({_T.requires_grad.__get__, _T.grad_fn.__get__, _T.is_leaf.
                        _T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.layout.__get__, _T.ndim.__get__,
                        _T.size, _T.dim, _T.stride, _T.numel, _T.storage_offset, _T.is_floating_point,
                        _T.is_complex, _T.is_contiguous, _T.data_ptr, _T.untyped_storage})
-
-
-def _baselines() -> tuple[int, int]:
-    """``sys.getrefcount`` of a tensor nothing in Python holds, read through a weak reference
-    into a local name, as :meth:`CaptureMode.escaped` reads it: one autograd holds (the
-    reference its TensorImpl keeps to its Python object, the name, the argument), and one
-    held by a list alone, less the list's reference.  Measured once, at import (outside
-    any region and transform), not assumed: interpreters count differently."""
-    with torch.enable_grad():
-        x = torch.zeros(1, requires_grad=True)
-        h = x * 1
-        ref = weakref.ref(h)
-        y = h.sin()  # (saves h)
-        del h
-        t = ref()
-        cpp = sys.getrefcount(t)
-        del t, y
-        box = [x * 1]
-        ref = weakref.ref(box[0])
-        t = ref()
-        py = sys.getrefcount(t) - 1
-        del t, box
-    return cpp, py
-
-
-_ONLY_CPP, _ONLY_PY = _baselines()
-
-
-def _carry_grad(args, kwargs) -> bool:
-    """True if a tensor among the arguments requires grad at some level (or is batched
-    by a ``vmap``: its plain tensor holds every batch entry)."""
-    for a in (*args, *kwargs.values()):
-        for t in (a if isinstance(a, (tuple, list)) else (a,)):
-            if isinstance(t, torch.Tensor) and (requires_grad_anywhere(t) or any_batched(t)):
-                return True
-    return False
-
-
-def _write_below(func, a0: torch.Tensor, args, kwargs) -> torch.Tensor:
-    """An in-place write that carries no gradient into a tensor wrapped at a level set
-    aside (``num_batches_tracked.add_(1)`` of a BatchNorm under ``grad`` of ``grad``),
-    done on the plain tensors below every wrapper: plain code writes it at that level,
-    where the wrapper and the tensor below share their memory, so the result is the
-    same; functorch would refuse the write from the region's own level."""
-    def plain(a):
-        if isinstance(a, torch.Tensor):
-            return unwrap_all(a)
-        if isinstance(a, (tuple, list)):
-            return type(a)(plain(e) for e in a)
-        return a
-
-    with DisableFuncTorch():
-        func(*[plain(a) for a in args], **{k: plain(v) for k, v in kwargs.items()})
-    return a0
-
-
-class _Produced(TorchDispatchMode):
-    """Records the storages that non-view aten ops produce (see CaptureMode)."""
-
-    def __init__(self, produced: set[int]):
-        super().__init__()
-        self.produced = produced
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view:
-            for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(t, torch.Tensor) and (ptr := storage_ptr(t)) is not None:
-                    self.produced.add(ptr)
-        return out
-
-
-_IN_PLACE_DUNDERS = frozenset({
-    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
-    "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__",
-})
-_NOT_DATA = frozenset({"requires_grad_", "share_memory_", "retain_grad", "register_hook", "detach_"})
-
-
-_IN_PLACE: dict[int, tuple[Any, bool]] = {}
-
-
-def _in_place(func) -> bool:
-    """True for the torch functions that write into their first argument (cached by
-    id, the function held with the answer so its id stays its own)."""
-    e = _IN_PLACE.get(id(func))
-    if e is not None:
-        return e[1]
-    name = getattr(func, "__name__", "")
-    w = name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.startswith("_") and name not in _NOT_DATA)
-    if len(_IN_PLACE) < 4096:
-        _IN_PLACE[id(func)] = (func, w)
-    return w
