@@ -273,6 +273,7 @@ class CaptureMode(TorchFunctionMode):
         self.held: dict[int, list] = {}  # see note_region_inputs
         self.levels: dict | None = None  # where the region was called (set aside in its Function's forward: see needs_grad)
         self.opaque = False  # the function read or wrote ``.data``: an alias no aten op makes (no replay, see _replay_live)
+        self.autograd = False  # it called autograd (itself, or a torch.func transform it calls): see RegionState.foreign
         self.every, self.fwd_only = 0, set()  # (see _leaves, untracked_stats)
         self.counts_inputs = False  # a run again that looks for the inputs it stores (see refs_counted)
         self.tape = None  # the region's own tape, in its forward (see _made_inside)
@@ -485,8 +486,10 @@ class CaptureMode(TorchFunctionMode):
             self.subst[obj] = t
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _DATA:
+            self.autograd = self.autograd or func in _AUTOGRAD
         if func in _DATA and not (func is _GRAD and transform_autograd(args, kwargs, self.base)):
-            self.opaque = "autograd" if func in _AUTOGRAD else self.opaque or True
+            self.opaque = True
             if func is _HOOK and self.known is None and not requires_grad_anywhere(args[0]):
                 # (a forward-mode recomputation, which differentiates nothing: the hook has nothing to act on)
                 return RemovableHandle(_NO_HOOKS)

@@ -611,7 +611,8 @@ class RegionState:
         if not recompute:
             self.grad_left = torch.is_grad_enabled()
             self.fwd_hits = mode.hits
-            self.foreign = mode.opaque or None  # (.data, hooks, autograd inside: see CaptureMode)
+            # (.data, hooks, autograd inside: see CaptureMode; "autograd": a run again runs under a vjp level, as the forward)
+            self.foreign = ("autograd" if mode.autograd else True) if mode.opaque else None
             self.escaped = mode.escaped(outs)
             self.aliased = mode.aliased
             self.nested_side = mode.nested
