@@ -252,6 +252,44 @@ def test_function_context_and_outputs_around_vmap(body, transform):
     assert_tree_close(list(run(remat)), want, rtol=1e-10, atol=1e-10)
 
 
+class _RowScale(torch.autograd.Function):
+    """``x * x.sum(0)``, its backward written with the logical dim 0 (the batch dim below a vmap)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x * x.sum(0, keepdim=True)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x.sum(0, keepdim=True) + (g * x).sum(0, keepdim=True)
+
+
+@pytest.mark.parametrize("transform", ["grad_of_vmap", "eager_around_vmap", "vmap_grad"])
+def test_function_reducing_over_a_logical_dim_around_vmap(transform):
+    """Applied as a step of a replay on the batched tensors below the vmap, its backward reduced
+    over the batch dim: silently wrong under grad(vmap) and eager autograd around vmap (1.93
+    off at 1337ce0; found by a hostile pass).  The region runs again there."""
+    f = lambda h: (_RowScale.apply(h.sin()) * h).cos()  # noqa: E731
+    xs = torch.randn(3, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def run(fn):
+        if transform == "grad_of_vmap":
+            return grad(lambda x: vmap(fn)(x).sum())(xs)
+        if transform == "eager_around_vmap":
+            x = xs.clone().requires_grad_()
+            return torch.autograd.grad(vmap(fn)(x).sum(), x)[0]
+        return vmap(grad(lambda x: fn(x).sum()))(xs)
+
+    assert_tree_close(run(remat(f)), run(f), rtol=1e-10, atol=1e-10)
+
+
 # ``x * x`` whose rules say ``3x`` (shows which rule ran)
 _SqOdd = square_function("_SqOdd", 3.0)
 
