@@ -535,3 +535,28 @@ def _written_through_a_view(h, w):
 def test_named_value_written_through_a_view_is_recomputed_with_a_warning(policy):
     with pytest.warns(UserWarning, match="written in place through another view"):
         _check_named(_written_through_a_view, policy, "matrix", True)
+
+
+@pytest.mark.parametrize("transform", ["hessian", "eager_gradient_penalty"])
+def test_kept_matmul_written_through_unsafe_split_pieces_second_order(transform):
+    """CPU ``gru_cell`` splits its ``addmm`` output with ``unsafe_split`` (no alias in its schema)
+    and writes the pieces in place (``add_``, ``sigmoid_``): under ``dots_saveable`` the kept
+    ``addmm`` output was handed to the replay as it is, which wrote into it, so a second replay
+    (second order) read the first one's writes (Hessian 1.57 off, a gradient penalty's
+    ``weight_ih.grad`` 8.11 off; found by a hostile pass).  The split's pieces are its aliases now."""
+    torch.manual_seed(0)
+    cell = torch.nn.GRUCell(3, 3).double()
+    x0 = torch.randn(2, 3, dtype=torch.float64)
+    w0 = torch.randn(3, 3, dtype=torch.float64) * 0.3
+    f = lambda x: cell(x, 2 * x)  # noqa: E731
+
+    def run(fn):
+        if transform == "hessian":
+            return torch.func.hessian(lambda w: fn(x0 @ w).pow(2).sum())(w0)
+        cell.zero_grad()
+        x = x0.clone().requires_grad_()
+        (gx,) = torch.autograd.grad(fn(x).pow(2).sum(), x, create_graph=True)
+        gx.pow(2).sum().backward()
+        return [p.grad.clone() for p in cell.parameters()]
+
+    assert_tree_close(run(remat(f, policy=P.dots_saveable)), run(f), rtol=1e-10, atol=1e-10)
