@@ -328,3 +328,30 @@ def test_vjp_fn_called_under_vmap_after_its_level_exited(how, draw):
     (want, n_plain), (got, n_remat) = plain_and_remat(make, lambda f: _VJP_FN_UNDER_VMAP[how](f, x, w), seed=3)
     assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
     assert n_remat == n_plain == 1
+
+
+def test_a_parameter_the_module_never_uses_gets_no_gradient_through_per_sample_gradients():
+    """A gradient penalty on per-sample gradients of a remat_module: a parameter its forward
+    never reads gets None, as plain autograd leaves it (zeros until unread_inputs said so)."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4, dtype=D)
+            self.unused = torch.nn.Parameter(torch.ones(4, dtype=D))
+
+        def forward(self, x):
+            return self.lin(x).tanh()
+
+    torch.manual_seed(0)
+    base, xs = M(), torch.randn(3, 4, dtype=D)
+
+    def run(wrap):
+        m = wrap(copy.deepcopy(base))
+        p = {k: v.detach().requires_grad_() for k, v in m.named_parameters()}
+        g = vmap(grad(lambda p, x: functional_call(m, p, (x,)).pow(2).sum()), in_dims=(None, 0))(p, xs)
+        return torch.autograd.grad(sum(v.pow(2).sum() for v in g.values()), list(p.values()), allow_unused=True)
+
+    got, want = run(remat_module), run(lambda m: m)
+    assert [g is None for g in got] == [w is None for w in want] == [True, False, False]  # (unused, lin.weight, lin.bias)
+    assert_tree_close([g for g in got if g is not None], [w for w in want if w is not None])
