@@ -43,6 +43,7 @@ from typing import Any
 import optree
 import torch
 
+from ._errors import RematError
 from ._functorch import unwrap_all
 from ._torch_internals import FakeTensorMode
 from ._transform import remat
@@ -202,9 +203,18 @@ def _stack(ys: list):
     if not ys:
         return None
     leaves0, treedef = optree.tree_flatten(ys[0])
+    cols = [leaves0]
+    for i, y in enumerate(ys[1:], 1):  # (as lax.scan: every step's y has the first one's structure)
+        leaves, td = optree.tree_flatten(y)
+        if td != treedef:
+            raise RematError(
+                f"remat_scan: the step function's per-step output y has the structure {td} at step {i} but "
+                f"{treedef} at step 0. Fix: return the same pytree structure (the same keys, no None in place "
+                "of a tensor) from every step, as jax.lax.scan requires."
+            )
+        cols.append(leaves)
     if not leaves0:
         return ys[0] if all(y is None for y in ys) else optree.tree_unflatten(treedef, [])
-    cols = [optree.tree_leaves(y) for y in ys]
     stacked = []
     for j, first in enumerate(leaves0):
         col = [c[j] for c in cols]

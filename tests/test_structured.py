@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from torch.func import functional_call, grad, vjp, vmap
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat_fn import RematError
 from remat_fn._structured import remat_scan, remat_sequential, revolve_evaluations
 from remat_fn.memory import LiveBytes
 
@@ -335,3 +336,23 @@ def test_scan_sqrt_memory_under_vjp():
     print("under vjp, kept / plain:", {k: round(v / kept["plain"], 3) for k, v in kept.items()})
     assert kept["sqrt"] < 0.35 * kept["plain"]
     assert kept["c4"] < 0.15 * kept["plain"]
+
+
+@pytest.mark.parametrize("case", ["none_then_tensor", "tensor_then_none", "keys_change"])
+def test_scan_per_step_outputs_of_another_structure_are_refused(case):
+    """As jax.lax.scan: every step's ``y`` has the first one's structure.  The stacking took the
+    first step's structure for all: ``ys`` None with the later tensors dropped, a dict's values
+    under the first step's key, or an IndexError (found by a hostile pass)."""
+    def f(c, x):
+        c = c + x
+        first = bool(x[0] < 0.5)
+        if case == "none_then_tensor":
+            return c, None if first else c * 2
+        if case == "tensor_then_none":
+            return c, c * 2 if first else None
+        return c, {"a": c} if first else {"b": c}
+
+    xs = torch.tensor([[0.0], [1.0], [2.0]])
+    for checkpoints in ("all", "sqrt", 2):
+        with pytest.raises(RematError, match="same pytree structure"):
+            remat_scan(f, torch.zeros(1), xs, checkpoints=checkpoints)
