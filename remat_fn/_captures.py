@@ -296,13 +296,14 @@ class CaptureMode(TorchFunctionMode):
                 # (a view of a tensor it closes over that a transform it calls made, unseen: torch.func.vmap reading
                 # it, returning it as is: the forward runs again with the replacements in the closure's places)
                 unseen = (p := storage_ptr(x)) is not None and any(storage_ptr(r) == p for r in self.subst.values())
-                if unseen or not self._made_inside(x):
-                    if needs_grad(x, self.levels):
-                        raise MissedCapture(x, bypassed=unseen)
-                    if self.levels is not None and from_lowered_level(x):
-                        # a constant wrapped at a level set aside here (a BatchNorm's statistics
-                        # under grad of grad): the plain tensor below, as plain code reads it
-                        return unwrap_all(x)
+                made = not unseen and self._made_inside(x)
+                if not made and needs_grad(x, self.levels):
+                    raise MissedCapture(x, bypassed=unseen)
+                if self.levels is not None and from_lowered_level(x) and (not made or not needs_grad(x, self.levels)):
+                    # a constant wrapped at a level set aside here (a BatchNorm's statistics under grad of
+                    # grad): the plain tensor below, as plain code reads it; also once the region wrote its
+                    # storage (the same statistics read by a second call of the BatchNorm: made inside then)
+                    return unwrap_all(x)
             return x
         tx = type(x)
         if tx is tuple or tx is list:

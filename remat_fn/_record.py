@@ -176,6 +176,7 @@ class Record:
             t = leaves[i]
             if not isinstance(t, torch.Tensor):
                 continue
+            t = _kept(t)  # (an alias of its own: a later in-place metadata op, h.t_(), leaves its shape alone)
             if d.src is not None and t.device.type != torch.device(d.src).type:
                 e.parts[i] = t  # not on the offload source: just keep it
                 self._index(key, (t,))

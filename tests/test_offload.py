@@ -806,3 +806,31 @@ def test_distributed_partitions_and_offloads_the_slices(tmp_path):
                 p.kill()
                 p.join(5)
     assert sorted(os.listdir(tmp_path)) == ["ok0", "ok1"]
+
+
+@pytest.mark.parametrize("inplace", ["unsqueeze_transpose_", "t_"])
+def test_offloaded_matmul_output_changed_by_an_in_place_metadata_op(inplace):
+    """An offload policy kept the matmul's output itself (where it is not on the offload source
+    device, and until the copy on it), so a later in-place metadata op in the region (``h.t_()``,
+    ``h.unsqueeze_(0)``) changed the kept value's shape: gradients 9.95 off, or a shape error
+    (found by a hostile pass).  It keeps an alias of its own now, as the save path does."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 4, dtype=torch.float64, generator=g), torch.randn(4, 6, dtype=torch.float64, generator=g)
+
+    def body(x, w):
+        h = x @ w
+        if inplace == "t_":
+            h.t_()
+            return torch.tanh(h) @ x
+        h.unsqueeze_(0)
+        h.transpose_(0, 1)
+        h.mul_(2)
+        return torch.tanh(h)
+
+    def grads(f):
+        a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
+        f(a, b).pow(2).sum().backward()
+        return a.grad, b.grad
+
+    for got, want in zip(grads(remat(body, policy=P.offload_dot_with_no_batch_dims())), grads(body)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
