@@ -287,6 +287,10 @@ class CaptureMode(TorchFunctionMode):
                 self.hits.add(id(x))
                 return r
             known = self.known
+            if self.levels is not None and from_lowered_level(x) and not needs_grad(x, self.levels):
+                # a constant wrapped at a level set aside here (a BatchNorm's statistics under grad of grad,
+                # known once an in-place write returned it): the plain tensor below, as plain code reads it
+                return unwrap_all(x)
             if id(x) in self.bases:  # (the function closes over the tensor it is given, differentiated, as a constant:
                 self.aliased = True  # the tape sees one tensor, which a replay would differentiate at both reads)
             if known is not None and x not in known and not self._inner(x):
@@ -296,14 +300,8 @@ class CaptureMode(TorchFunctionMode):
                 # (a view of a tensor it closes over that a transform it calls made, unseen: torch.func.vmap reading
                 # it, returning it as is: the forward runs again with the replacements in the closure's places)
                 unseen = (p := storage_ptr(x)) is not None and any(storage_ptr(r) == p for r in self.subst.values())
-                made = not unseen and self._made_inside(x)
-                if not made and needs_grad(x, self.levels):
+                if (unseen or not self._made_inside(x)) and needs_grad(x, self.levels):
                     raise MissedCapture(x, bypassed=unseen)
-                if self.levels is not None and from_lowered_level(x) and (not made or not needs_grad(x, self.levels)):
-                    # a constant wrapped at a level set aside here (a BatchNorm's statistics under grad of
-                    # grad): the plain tensor below, as plain code reads it; also once the region wrote its
-                    # storage (the same statistics read by a second call of the BatchNorm: made inside then)
-                    return unwrap_all(x)
             return x
         tx = type(x)
         if tx is tuple or tx is list:

@@ -416,18 +416,20 @@ def test_nested_remat_module_batchnorm_buffers_cloned_per_step_second_order(wrap
     assert_tree_close(got, ref, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("calls", [1, 2])
-def test_batchnorm_called_twice_in_a_region_under_grad_of_grad(calls):
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("calls", [1, 2, 3])
+def test_batchnorm_called_twice_in_a_region_under_grad_of_grad(calls, momentum):
     """A region calling the same BatchNorm (training, its buffers given to functional_call) twice
     under grad of grad: the second call read the running statistics the first one wrote, which
     the capture mode then took for a tensor made inside and handed as the caller's wrapper of a
     level set aside: functorch's internal assert ("escaped?"), at 1337ce0 too (found by a hostile
-    pass).  Buffers and the gradient as plain code's."""
+    pass; three calls, and momentum None, whose ``float(num_batches_tracked)`` read the counter once
+    an in-place write returned it, still did after a first fix).  Buffers and the gradient as plain code's."""
     torch.manual_seed(0)
     x = torch.randn(4, 3, dtype=torch.float64)
 
     def run(wrap):
-        bn = torch.nn.BatchNorm1d(3, dtype=torch.float64)
+        bn = torch.nn.BatchNorm1d(3, dtype=torch.float64, momentum=momentum)
 
         def body(h):
             for _ in range(calls):
