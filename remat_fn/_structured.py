@@ -276,7 +276,8 @@ def remat_scan(
     Computes ``carry, y_i = f(carry, x_i)`` for ``i`` in ``range(length)`` and
     returns ``(carry, ys)`` with the ``y_i`` stacked along a new leading
     dimension (pytrees stacked leaf by leaf; ``ys`` is ``None`` if every
-    ``y_i`` is ``None``).
+    ``y_i`` is ``None``; every ``y_i`` has the first one's structure, as in
+    ``jax.lax.scan``, else a ``RematError``).
 
     **Arguments:**
 
