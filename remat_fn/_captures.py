@@ -541,7 +541,8 @@ class CaptureMode(TorchFunctionMode):
 # what the tape cannot replay (no op reaches the dispatcher, or none that says it): ``.data``
 # (an alias without autograd), a hook on a tensor (backward code, not an op), ``detach_``
 # (below autograd an out-of-place ``detach`` nothing reads), autograd called inside (its
-# backward's ops, recorded, are not the graph an outer level differentiates): where something outside
+# backward's ops, recorded, are not the graph an outer level differentiates; but a torch.func
+# transform's own, which builds a graph, is: see transform_autograd): where something outside
 # differentiates the region's backward, the function runs again instead (spec.foreign)
 _HOOK, _DATA_GET, _GRAD = torch.Tensor.register_hook, torch.Tensor.data.__get__, torch.autograd.grad
 _AUTOGRAD = frozenset({torch.autograd.grad, torch.autograd.backward})

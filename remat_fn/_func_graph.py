@@ -157,7 +157,9 @@ def from_graph(spec, tensors, wrt, grads, linear: bool = False) -> tuple:
     tape's replay, so the function does not run again (its Python side effects happen
     once).  Only where nothing outside differentiates this backward: no other grad level
     (see can_drop_graph) and no forward-mode level (``hessian``: the replayed values
-    carry no tangents); there remat_fn._replay_live replays the recorded forward."""
+    carry no tangents); there remat_fn._replay_live replays the recorded forward.  ``linear``:
+    eager autograd reaches the cotangents only (the saved tensors it never does, see
+    can_drop_graph's ``linear``): differentiated with grad mode on, the result linear in them."""
     cot: list = [None] * len(spec.dmeta)
     for g, p in zip(grads, spec.dpos):
         if g is not None and p is not None:
@@ -196,7 +198,9 @@ def can_drop_graph(saved, grads, linear: bool = False, eager: bool = False) -> b
     innermost live grad level wrapping the saved tensors.  Any *other* live
     grad or jvp level wrapping the saved tensors or the cotangents, or a base
     tensor that requires grad (eager autograd outside), may differentiate the
-    result, so the graph must be kept.
+    result, so the graph must be kept.  ``linear``: eager autograd may reach the
+    cotangents (not the saved tensors); ``eager``: eager autograd may reach any of
+    them (the functorch levels alone are judged).
     """
     if not torch.is_grad_enabled():
         return False  # already not recording; nothing to gain
