@@ -54,7 +54,6 @@ def _writes_of(func) -> tuple:
 
 SEQ = (tuple, list)
 DETACH = torch.ops.aten.detach.default
-# ops whose output shares its first argument's storage without being marked a view
 # ops whose outputs share their input's memory though their schema says no alias: a write into one writes the input
 ALIASING = tuple(getattr(getattr(torch.ops.aten, n), o) for n, o in (
     ("_unsafe_view", "default"), ("unsafe_split", "Tensor"), ("unsafe_split_with_sizes", "default"), ("unsafe_chunk", "default"))

@@ -396,7 +396,9 @@ class _RematFunction(torch.autograd.Function):
         unused = spec.unused if gin is not None else None
         if gin is None:
             gin = rerun_vjp(spec, tensors, wrt, out_diff, detach, cot, start)
-        for i, g in zip(wrt, gin):  # (an input no op of the forward read: None, as plain autograd leaves it)
+        # (an input no op of the forward read: None, as plain autograd leaves it; a run again, whose ops are checked
+        # against the forward's, reads none either)
+        for i, g in zip(wrt, gin):
             result[i + 1] = None if (unused is not None and unused[i]) or (unread is not None and unread[i]) else g
         return tuple(result)
 
