@@ -487,13 +487,13 @@ class CaptureMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _DATA:
             self.autograd = self.autograd or func in _AUTOGRAD
-        if func in _DATA and not (func is _GRAD and transform_autograd(args, kwargs, self.base)):
-            self.opaque = True
+            if not (func is _GRAD and transform_autograd(args, kwargs, self.base)):
+                self.opaque = True
             if func is _HOOK and self.known is None and not requires_grad_anywhere(args[0]):
                 # (a forward-mode recomputation, which differentiates nothing: the hook has nothing to act on)
                 return RemovableHandle(_NO_HOOKS)
-        if func == _DATA_GET and not is_wrapped(args[0]) and id(args[0]) in self.subst:  # (a tensor it closes over: as plain code reads it)
-            return func(args[0])
+            if func == _DATA_GET and not is_wrapped(args[0]) and id(args[0]) in self.subst:  # (a tensor it closes over:
+                return func(args[0])  # as plain code reads it)
         if func in _METADATA:  # (reads no values: nothing to thread, whatever tensor it is)
             return func(*[self.subst.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args], **(kwargs or {}))
         given = args[0] if args else None  # (before _fix: a constant of a level set aside, unwrapped there)

@@ -7,7 +7,7 @@ handle of the shared :class:`~remat_fn._frame.Frame` (:class:`KeepHandles`),
 which the tape replays below every functorch transform (:class:`Unpack`), so the
 function's Python runs once, as in eager mode.  The graph's outputs are private
 aliases whose memory the Function's outputs take (:func:`release_outputs`).
-:func:`can_drop_graph` tells where nothing outside differentiates a backward;
+:func:`outside_reach` tells what outside may differentiate a backward;
 :func:`saved_storages` what a graph saved, where no hook can tell.
 """
 
@@ -26,7 +26,7 @@ from ._torch_internals import DisableFuncTorch, dispatch_stack_len, function_cla
 from .memory import storage_released
 
 __all__ = ["KeepHandles", "Unpack", "alias_output", "release_outputs", "from_graph", "note_storage",
-           "saved_storages", "can_drop_graph", "foreign_functions", "unread_inputs"]
+           "saved_storages", "outside_reach", "foreign_functions", "unread_inputs"]
 
 
 _NULL = contextlib.nullcontext()
@@ -156,10 +156,10 @@ def from_graph(spec, tensors, wrt, grads, linear: bool = False) -> tuple:
     """Backward through the forward level's graph: its saved tensors come back from the
     tape's replay, so the function does not run again (its Python side effects happen
     once).  Only where nothing outside differentiates this backward: no other grad level
-    (see can_drop_graph) and no forward-mode level (``hessian``: the replayed values
+    (see outside_reach) and no forward-mode level (``hessian``: the replayed values
     carry no tangents); there remat_fn._replay_live replays the recorded forward.  ``linear``:
     eager autograd reaches the cotangents only (the saved tensors it never does, see
-    can_drop_graph's ``linear``): differentiated with grad mode on, the result linear in them."""
+    outside_reach): differentiated with grad mode on, the result linear in them."""
     cot: list = [None] * len(spec.dmeta)
     for g, p in zip(grads, spec.dpos):
         if g is not None and p is not None:
@@ -190,40 +190,43 @@ def note_storage(found: dict[int, int], t: torch.Tensor) -> None:
         return
 
 
-def can_drop_graph(saved, grads, linear: bool = False, eager: bool = False) -> bool:
-    """True when nothing outside this backward can differentiate its result.
+def outside_reach(saved, grads) -> tuple[bool, bool, bool]:
+    """What besides its own grad level may differentiate a backward's result, from one walk
+    over the ``saved`` tensors and the cotangents ``grads``: ``(levels_clear, saved_tracked,
+    cots_tracked)``.
 
     The backward being run belongs to one grad level: a dead one when it is a
     ``vjp``/``jacrev`` ``vjp_fn`` called after its level exited, otherwise the
-    innermost live grad level wrapping the saved tensors.  Any *other* live
-    grad or jvp level wrapping the saved tensors or the cotangents, or a base
-    tensor that requires grad (eager autograd outside), may differentiate the
-    result, so the graph must be kept.  ``linear``: eager autograd may reach the
-    cotangents (not the saved tensors); ``eager``: eager autograd may reach any of
-    them (the functorch levels alone are judged).
+    innermost live grad level wrapping the saved tensors.  ``levels_clear``: no *other*
+    live grad or jvp level wraps the saved tensors or the cotangents, and no forward-mode
+    level is live.  ``saved_tracked`` / ``cots_tracked``: a saved tensor's / a cotangent's
+    plain tensor requires grad (eager autograd outside).  Nothing outside differentiates
+    the result (the graph may be dropped) where all three say so; eager autograd reaches
+    the cotangents only (``from_graph(linear=True)``) where the saved tensors are untracked.
     """
     if not torch.is_grad_enabled():
-        return False  # already not recording; nothing to gain
+        return False, False, False  # already not recording; nothing to gain
     if forward_mode_active():
         # a live jvp level differentiates it too, wrapping the saved tensors or not: under
         # no_grad torch's backward formulas take branches with no tangent (solve, logdet) or
         # kernels forward AD lacks (silu_backward)
-        return False
+        return False, False, False
     live = live_levels()
     wrappers = []
-    for k, t in enumerate((*saved, *grads)):
-        if isinstance(t, torch.Tensor):
-            ws, base = grad_wrappers(t)
-            if base.requires_grad and not eager and not (linear and k >= len(saved)):
-                return False
-            wrappers.extend(ws)
+    tracked = [False, False]
+    for k, group in enumerate((saved, grads)):
+        for t in group:
+            if isinstance(t, torch.Tensor):
+                ws, base = grad_wrappers(t)
+                tracked[k] = tracked[k] or base.requires_grad
+                wrappers.extend(ws)
     if not wrappers:
-        return False
+        return False, *tracked
     alive = [lv for lv, dead in wrappers if not dead and is_grad_kind(live.get(lv))]
     if any(dead for _, dead in wrappers):
-        return not alive
+        return not alive, *tracked
     this = max(lv for lv, _ in wrappers)
-    return all(lv == this for lv in alive)
+    return all(lv == this for lv in alive), *tracked
 
 
 def unread_inputs(tape, tensors, returned: set[int]) -> list[bool]:

@@ -52,10 +52,10 @@ from ._func_graph import (
     KeepHandles,
     Unpack,
     alias_output,
-    can_drop_graph,
     foreign_functions,
     from_graph,
     note_storage,
+    outside_reach,
     release_outputs,
     saved_storages,
     unread_inputs,
@@ -350,7 +350,8 @@ class _RematFunction(torch.autograd.Function):
         out_diff = ctx.out_diff
         unread = spec.unread if spec.unread is not None and not _foreign(spec) else None
         saved = ctx.saved_tensors if unread is None else [t for t, u in zip(ctx.saved_tensors, unread) if not u]
-        detach = can_drop_graph(saved, grads)
+        clear, saved_tracked, cots_tracked = outside_reach(saved, grads)
+        detach = clear and not saved_tracked and not cots_tracked  # (nothing outside differentiates this backward)
         grads = tuple(unwrap_if_dead(g) if g is not None else None for g in grads)
         if spec.check and (spec.graph is not None or _replayable(spec)):  # (strict checks: debug, early_stop=False)
             check_again(spec, tensors, wrt, out_diff, detach, _cotangents(spec, grads, out_diff))
@@ -358,9 +359,8 @@ class _RematFunction(torch.autograd.Function):
         quiet = (detach or not torch.is_grad_enabled()) and not forward_mode_active()
         if quiet and spec.graph is not None and (not spec.batched or grad_on_top()):  # (batched saved tensors: see rebatch)
             return from_graph(spec, tensors, wrt, grads)
-        if not quiet and spec.graph is not None and (not spec.batched or grad_on_top()) and not forward_mode_active() \
-                and can_drop_graph(saved, grads, linear=True):
-            return from_graph(spec, tensors, wrt, grads, linear=True)
+        if clear and not saved_tracked and spec.graph is not None and (not spec.batched or grad_on_top()):
+            return from_graph(spec, tensors, wrt, grads, linear=True)  # (eager autograd reaches the cotangents alone)
         cot = _cotangents(spec, grads, out_diff)
         start = time.perf_counter()
         # The recorded forward, replayed (where an outer transform differentiates this backward, for a nested
@@ -369,16 +369,15 @@ class _RematFunction(torch.autograd.Function):
         # (under vmap(grad), a backward whose grad level has exited, under vmaps alone (a vjp_fn called
         # under a vmap, jacrev's over the cotangents): the batched replay, as under grad(vmap))
         vmaps_alone = spec.layers is not None and all(is_vmap_kind(k) for k in live_levels().values())
-        # (vmap(grad) where eager autograd alone may differentiate the backward: the batched replay below
-        # every level, which eager autograd records as it records plain code's batched ops)
-        eager = spec.layers is not None and not quiet and not forward_mode_active() and can_drop_graph(saved, grads, eager=True)
-        # (likewise where no forward level's graph was kept, the function calling torch.func, and nothing differentiates it)
-        eager = eager or (spec.layers is not None and spec.graph is None and quiet)
-        if _replayable(spec, spec.layers is not None and (vmaps_alone or eager or not vmaps_outermost(spec.levels))):
+        # (the batched replay below every level: under vmap(grad) where eager autograd alone may differentiate
+        # the backward, which it records as it records plain code's batched ops; or where nothing does and no
+        # forward level's graph was kept: a region calling torch.func, or nested in another)
+        below = spec.layers is not None and (clear if not quiet else spec.graph is None)
+        if _replayable(spec, spec.layers is not None and (vmaps_alone or below or not vmaps_outermost(spec.levels))):
             try:
                 with torch.no_grad() if detach else _NULL:
                     if spec.batched:  # (nothing differentiates this backward: grad mode off says so under vmaps alone)
-                        alone = detach or eager or (not torch.is_grad_enabled() and vmaps_alone)
+                        alone = detach or below or (not torch.is_grad_enabled() and vmaps_alone)
                         # (a grad level's backward keeps the examples of a vmap outside it apart; eager autograd's,
                         # through the rule's vmap, sums them: its saved tensors carry no grad wrapper)
                         own = any(grad_wrappers(t)[0] for t in ctx.saved_tensors if isinstance(t, torch.Tensor))

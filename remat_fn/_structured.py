@@ -214,7 +214,7 @@ def _stack(ys: list):
             )
         cols.append(leaves)
     if not leaves0:
-        return ys[0] if all(y is None for y in ys) else optree.tree_unflatten(treedef, [])
+        return ys[0] if ys[0] is None else optree.tree_unflatten(treedef, [])  # (every y None: the structure says so)
     stacked = []
     for j, first in enumerate(leaves0):
         col = [c[j] for c in cols]
