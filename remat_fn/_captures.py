@@ -107,6 +107,9 @@ def swap_side_output(t: torch.Tensor, o: torch.Tensor) -> None:
     """``torch.utils.swap_tensors(t, o)``, where the enclosing regions know ``t`` or ``o`` (by a
     weak reference, which the swap refuses): set aside for the swap, known again after it."""
     held = [(k, [x for x in (t, o) if x in k]) for m in AMBIENT.captures if (k := m.known) is not None]
+    for m in AMBIENT.captures:  # (a region nested in theirs swaps: a run again runs it, see remat_fn._logical)
+        if m.logical is not None:
+            m.logical.fail()
     for k, xs in held:
         for x in xs:
             k.discard(x)
@@ -277,6 +280,7 @@ class CaptureMode(TorchFunctionMode):
         self.every, self.fwd_only = 0, set()  # (see _leaves, untracked_stats)
         self.counts_inputs = False  # a run again that looks for the inputs it stores (see refs_counted)
         self.tape = None  # the region's own tape, in its forward (see _made_inside)
+        self.logical = None  # the forward's torch calls, where recorded (see remat_fn._logical)
 
     def _fix(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -444,6 +448,8 @@ class CaptureMode(TorchFunctionMode):
             self._note(outs)
             if first is not None:
                 self.nested[self.calls] = first
+        if self.logical is not None:
+            self.logical.fail()  # (a nested region: a run again runs it)
         self._made(self.calls, outs, ())
         self.calls += 1
 
@@ -485,7 +491,10 @@ class CaptureMode(TorchFunctionMode):
             self.subst[obj] = t
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        logical = self.logical if region_depth() == self.depth else None
         if func in _DATA:
+            if logical is not None:
+                logical.fail()
             self.autograd = self.autograd or func in _AUTOGRAD
             if not (func is _GRAD and transform_autograd(args, kwargs, self.base)):
                 self.opaque = True
@@ -495,8 +504,12 @@ class CaptureMode(TorchFunctionMode):
             if func == _DATA_GET and not is_wrapped(args[0]) and id(args[0]) in self.subst:  # (a tensor it closes over:
                 return func(args[0])  # as plain code reads it)
         if func in _METADATA:  # (reads no values: nothing to thread, whatever tensor it is)
+            if logical is not None and func in _ALIASES:
+                logical.fail()
             return func(*[self.subst.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args], **(kwargs or {}))
         given = args[0] if args else None  # (before _fix: a constant of a level set aside, unwrapped there)
+        if logical is not None:  # (as the function passed them: its replay passes them so again)
+            logical.note(func, args, kwargs)
         args = self._fix(args)
         kwargs = self._fix(kwargs) if kwargs else {}
         out = None
@@ -535,6 +548,11 @@ class CaptureMode(TorchFunctionMode):
             self._made(call, out, args)
             if self.trace is not None:
                 self.trace.step(func, out, self.known is None, self.name)
+            if logical is not None:
+                if func is custom_function_call:
+                    logical.fail()  # (a custom Function, a nested region: a run again runs them)
+                else:
+                    logical.made(out)
         return out
 
 
@@ -552,6 +570,7 @@ _DATA = frozenset({torch.Tensor.data.__get__, torch.Tensor.data.__set__, _HOOK,
 
 
 _T = torch.Tensor
+_ALIASES = frozenset({_T._base.__get__, _T.untyped_storage})  # (what a logical tape cannot find again)
 _METADATA = frozenset({_T.requires_grad.__get__, _T.grad_fn.__get__, _T.is_leaf.__get__, _T._base.__get__,
                        _T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.layout.__get__, _T.ndim.__get__,
                        _T.size, _T.dim, _T.stride, _T.numel, _T.storage_offset, _T.is_floating_point,

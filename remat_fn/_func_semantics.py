@@ -39,7 +39,7 @@ from ._autocast import AutocastState
 from ._captures import CaptureMode, Known, first_run_of_nested, swap_side_output, swap_view_of, watched
 from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
-from ._describe import describe, describe_meta
+from ._describe import describe
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_outside
 from ._function_steps import plan_steps
 from ._functorch import (
@@ -54,6 +54,7 @@ from ._functorch import (
     unwrap_if_dead,
     wrap_at_top,
 )
+from ._logical import LogicalTape
 from ._offload import FuncInputs
 from ._ops import PrivateWrites, private_copies
 from ._rng_state import RNGSnapshot
@@ -70,10 +71,8 @@ from ._torch_internals import version as version_of
 
 __all__ = ["RegionState", "ForwardHook", "NeedsGraph", "keep_nothing", "hooks_aside", "random_in_vmap", "draws_in_vmap",
            "connect_side_outputs", "check_unsure", "stale_side_outputs",
-           "check_lazy_outputs", "distinct_inputs", "out_meta", "saved_inputs", "checked_outputs",
+           "check_lazy_outputs", "distinct_inputs", "out_meta", "saved_inputs",
            "replace_at", "undo_forward", "plan_rerun", "deep_enough", "primal_under_vjp"]
-
-
 
 _NULL = contextlib.nullcontext()
 
@@ -347,21 +346,6 @@ def saved_inputs(ctx, spec):
         raise
 
 
-def checked_outputs(spec, outs):
-    """A re-run's outputs, checked against the forward's (shape, dtype, device)."""
-    meta = spec.out_meta
-    if len(outs) != len(meta) or any(out_meta(o) != m for o, m in zip(outs, meta)):
-        got = ", ".join(describe(o, device=True) for o in outs)
-        want = ", ".join(describe_meta(*m) for m in meta)
-        raise RecomputeMismatchError(
-            f"Recomputing remat({spec.name}) returned tensors ({got}) but the forward returned "
-            f"({want}). The function must be deterministic in its tensor structure: make shapes "
-            "and control flow depend only on its arguments (pass Python values through "
-            "static_argnums/static_argnames), not on global state."
-        )
-    return outs
-
-
 def replace_at(tensors, wrt, diff) -> list:
     """``tensors`` with the positions ``wrt`` replaced by ``diff``."""
     full = list(tensors)
@@ -435,7 +419,7 @@ class RegionState:
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
                  "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "batched", "replay", "widen", "apart", "unused", "unread",
                  "side_objs", "nested_side", "late_objs", "relocate", "check", "fwd", "fwd_only", "fwd_diff", "aliased", "aborted",
-                 "grad_left", "rev", "held_inputs", "rerun_objs", "given_ids", "layers")
+                 "grad_left", "rev", "held_inputs", "rerun_objs", "given_ids", "layers", "logical")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -451,6 +435,7 @@ class RegionState:
         self.held_inputs: list = []  # (index, object, counted) of the inputs the function stored: see connect_side_outputs
         self.given_ids: list[int] = []  # ids of the inputs as the caller holds them (the Function's forward may see others)
         self.layers = None  # under vmap of forward mode: the batch layers of the inputs and outputs
+        self.logical: LogicalTape | None = None  # the forward's torch calls, where recorded
         self.apart: list[bool] | None = None  # see remat_fn._functorch.apart_inputs
         self.unused: list[bool] | None = None  # (eager autograd around vmap: see _RematFunction.forward)
         self.unread: list[bool] | None = None  # per input: no op of the region read it (see unread_inputs)
@@ -541,10 +526,10 @@ class RegionState:
                 known.add(args[i])
         return args
 
-    def call(self, tensors, known: Known | None, stores: bool = False):
+    def call(self, tensors, known: Known | None, stores: bool = False, python: bool = False):
         """Run the region on ``tensors`` (inputs then captured replacements).  ``stores``: a
         recomputation whose stored inputs are kept as the forward's are (the jvp rule's run
-        again: its inputs are its own level's, dead after it)."""
+        again: its inputs are its own level's, dead after it).  ``python``: the function itself, not its torch calls replayed."""
         n = self.n_in
         subst = {id(o): r for o, r in zip(self.captured, tensors[n:])}
         for i, k in self.aliases:
@@ -558,7 +543,7 @@ class RegionState:
                 before = [_py_refs(t) for t in given]
             with self.reach.relocated({**subst, **places} if self.relocate else places), \
                     PrivateWrites(self.written, copies) if self.written else _NULL:
-                out = self._call(tensors, known, subst, stores)
+                out = self._call(tensors, known, subst, stores, python)
             if stores:
                 self.held_inputs += _stored(given, before, out, counted=False)
             return out
@@ -579,7 +564,7 @@ class RegionState:
         self.held_inputs = _stored(given, before, out)
         return out
 
-    def _call(self, tensors, known, subst, stores: bool = False):
+    def _call(self, tensors, known, subst, stores: bool = False, python: bool = False):
         n = self.n_in
         recompute = known is None
         if recompute:
@@ -599,13 +584,17 @@ class RegionState:
         mode.every = 0 if recompute else watched(2 if self.vmapped else 1 if self.fwd else 0)
         mode.fwd_only = set() if recompute else self.fwd_only
         mode.counts_inputs = stores  # (a region nested in this run keeps aliases of its inputs, see refs_counted)
+        run = self.run if python or self.logical is None or not recompute else self.logical.run
+        mode.logical = None if recompute else LogicalTape.wanted(args, self.tape, self.levels)  # (see remat_fn._logical)
         with mode:
             try:
-                outs, rebuild = self.run(args)
+                outs, rebuild = run(args)
             except BaseException:
                 if not recompute and mode.made:  # (a try that stops: see stale_side_outputs)
                     self.aborted = [r for _, _, r in mode.made if (t := r()) is not None and carries_grad(t)]
                 raise
+            if mode.logical is not None:  # (the outputs as the function returned them, as a replay will)
+                self.logical = mode.logical.finish(outs, rebuild)
             # A captured tensor returned as is never went through an op.
             outs = tuple(mode._fix(o) for o in outs)
         if not recompute:

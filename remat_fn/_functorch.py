@@ -21,7 +21,7 @@ __all__ = [
     "forward_mode_active", "forward_mode_at", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
     "requires_grad_anywhere", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
     "draws_batched", "batch_layers", "apart_inputs", "rebatch", "sum_levels", "grad_on_top", "vmaps_outermost", "current_level", "grad_mode_at",
-    "transform_autograd",
+    "transform_autograd", "above_vmaps",
     "wrap_at_top", "differentiable", "peel_vmaps", "to_physical", "from_physical",
 ]
 
@@ -166,6 +166,17 @@ def vmaps_outermost(levels: dict) -> bool:
     kinds = [levels[k] for k in sorted(levels)]
     n = sum(1 for k in kinds if is_vmap_kind(k))
     return n < len(kinds) and all(is_vmap_kind(k) for k in kinds[:n])
+
+
+def above_vmaps(levels: dict | None) -> bool:
+    """A ``vmap`` and two differentiating transforms are active (``vmap(hessian(f))``,
+    ``vmap(grad(grad(f)))``, MAML's ``grad(vmap(grad(f)))``): one may differentiate the region's
+    backward above a vmap, where the ops as vmap batched them cannot be replayed (see
+    remat_fn._logical)."""
+    if not levels:
+        return False
+    kinds = levels.values()
+    return any(is_vmap_kind(k) for k in kinds) and sum(not is_vmap_kind(k) for k in kinds) >= 2
 
 
 def rebatch(t: torch.Tensor, layers) -> torch.Tensor:

@@ -12,8 +12,9 @@ import time
 
 import torch
 
-from ._errors import RematError
-from ._func_semantics import RegionState, checked_outputs, random_in_vmap, replace_at
+from ._describe import describe, describe_meta
+from ._errors import RecomputeMismatchError, RematError
+from ._func_semantics import RegionState, out_meta, random_in_vmap, replace_at
 from ._functorch import transform_kinds
 from ._record import Diverged, saving
 
@@ -27,7 +28,7 @@ def check_again(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot) ->
     forward; its gradient unused.  A failure of torch's own inside that run (functorch asserts
     under some nestings of side outputs) is named: the gradient does not depend on it."""
     try:
-        rerun_vjp(spec, tensors, wrt, out_diff, detach, cot, time.perf_counter())
+        rerun_vjp(spec, tensors, wrt, out_diff, detach, cot, time.perf_counter(), python=True)
     except RematError:
         raise
     except Exception as e:
@@ -40,10 +41,11 @@ def check_again(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot) ->
         ) from e
 
 
-def rerun_vjp(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot, start: float):
+def rerun_vjp(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot, start: float, python: bool = False):
     """Backward by running the region again under ``torch.func.vjp`` (where no replay of
-    the recorded forward stands in for it): the input gradients for ``cot``."""
-    f = recompute_fn(spec, tensors, wrt, out_diff)
+    the recorded forward stands in for it): the input gradients for ``cot``.  Its torch calls
+    replayed where recorded (see remat_fn._logical), unless ``python``: the function itself."""
+    f = recompute_fn(spec, tensors, wrt, out_diff, python=python)
     # (ops whose results backward does not need are skipped where nothing outside differentiates it, see Tape.plan)
     plan = spec.plan if detach else None
 
@@ -62,14 +64,29 @@ def rerun_vjp(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot, star
         return vjp_fn(cot)
 
 
-def recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None = None):
+def recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None = None, python: bool = False):
     """The region as a function of its differentiated inputs, returning its differentiable outputs
     (``side``: receives its side outputs, which the run left in the caller's objects)."""
     def f(*diff_inputs):
         with torch.set_grad_enabled(spec.grad_mode):  # (the caller's mode, as the forward ran it)
-            outs = checked_outputs(spec, spec.call(replace_at(tensors, wrt, diff_inputs), None, side is not None)[0])
+            outs = checked_outputs(spec, spec.call(replace_at(tensors, wrt, diff_inputs), None, side is not None, python)[0])
         if side is not None:
             side[:] = outs[spec.n_out:]
         return tuple(o for o, d in zip(outs, out_diff) if d)
 
     return f
+
+
+def checked_outputs(spec, outs):
+    """A re-run's outputs, checked against the forward's (shape, dtype, device)."""
+    meta = spec.out_meta
+    if len(outs) != len(meta) or any(out_meta(o) != m for o, m in zip(outs, meta)):
+        got = ", ".join(describe(o, device=True) for o in outs)
+        want = ", ".join(describe_meta(*m) for m in meta)
+        raise RecomputeMismatchError(
+            f"Recomputing remat({spec.name}) returned tensors ({got}) but the forward returned "
+            f"({want}). The function must be deterministic in its tensor structure: make shapes "
+            "and control flow depend only on its arguments (pass Python values through "
+            "static_argnums/static_argnames), not on global state."
+        )
+    return outs

@@ -55,7 +55,8 @@ import torch
 __all__ = [
     "SUPPORTED_TORCH", "push_hooks", "pop_hooks", "top_hooks", "hooks_enabled", "hooks_disabled_message",
     "enable_hooks", "disable_hooks", "set_version_counter", "functorch", "functorch_active",
-    "DisableTorchFunction", "DisableFuncTorch", "DisableTorchDispatch", "dispatch_stack_len", "function_mode_enabled", "TorchDispatchMode",
+    "DisableTorchFunction", "set_grad_mode",
+    "DisableFuncTorch", "DisableTorchDispatch", "dispatch_stack_len", "function_mode_enabled", "TorchDispatchMode",
     "disable_current_modes", "mode_stack", "tree_leaves", "FakeTensorMode", "OpOverload", "OpOverloadPacket",
     "assert_async", "CachingTorchDispatchMode", "checkpoint_flag", "forward_ad_level", "version",
     "is_view", "use_count", "schema", "saved_tensor_attrs", "below_transforms", "below_level",
@@ -132,6 +133,7 @@ def below_level(level: int):
 
 # modes
 DisableTorchFunction = _attr(torch._C, "torch._C", "DisableTorchFunction")
+set_grad_mode = _attr(torch._C, "torch._C", "_set_grad_enabled")  # (torch.set_grad_enabled's own switch)
 # ops on plain tensors run as plain ops, whatever functorch transform is active
 DisableFuncTorch = _attr(torch._C, "torch._C", "_DisableFuncTorch")
 # ops run below every Python dispatch mode (bookkeeping no recording tape sees)

@@ -1,0 +1,209 @@
+"""The region's forward as the function called torch: its torch calls, recorded at the torch-function
+level (where tensors are the logical ones every transform sees), replayed in place of the function's
+Python where a run again would otherwise run it.
+
+The aten tape (:mod:`remat_fn._tape`) records the ops below every functorch level, as ``vmap`` batched
+them; a replay of those ops stands for the function wherever the levels that differentiate its
+backward sit below the vmaps, or there are none.  Under ``vmap(hessian(f))``, ``vmap(grad(grad(f)))``,
+``vmap(jvp(grad(f)))`` or MAML's ``grad(vmap(grad(f)))`` a level above a vmap differentiates the
+backward: it must see the ops as the function called them, before the vmap batched them.  This tape
+holds them so: each call's function, its arguments (the region's inputs by position, what an earlier
+call made by its place, anything else as the object itself), the grad mode it ran under.  A replay
+calls them again, in order, through the same capture mode a run again runs under (so the tensors the
+function closes over are replaced, its writes go to private copies, its side outputs are found, its
+calls are checked against the forward's), and the function's Python does not run: what it did
+besides calling torch (a counter, a list it appends to) is not done twice, and does not change the
+gradient.
+
+A forward the tape cannot stand for is not recorded (the run again stays): a region calling a custom
+``autograd.Function`` or holding a nested region, calling ``torch.func`` itself, reading ``.data``, a
+hook or ``autograd`` inside, a tensor made where no torch function mode sees it, autocast or inference
+mode changed inside, the global seed set inside.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import optree
+import torch
+
+from ._functorch import above_vmaps, current_level, unwrap_all
+from ._torch_internals import DisableTorchFunction, any_autocast_enabled, set_grad_mode
+
+__all__ = ["LogicalTape"]
+
+
+class _In:
+    """The region's ``k``-th argument (as the function receives them)."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int):
+        self.k = k
+
+
+class _Made:
+    """The ``j``-th tensor call ``c`` returned."""
+
+    __slots__ = ("c", "j")
+
+    def __init__(self, c: int, j: int):
+        self.c, self.j = c, j
+
+
+class _Gen:
+    """A ``torch.Generator`` argument: its state when the forward drew, drawn again from a copy."""
+
+    __slots__ = ("state", "device")
+
+    def __init__(self, g: torch.Generator):
+        self.state, self.device = g.get_state(), g.device
+
+    def fresh(self) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.set_state(self.state)
+        return g
+
+
+def _tensors_of(out) -> list:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):  # (torch.return_types too)
+        return [t for t in optree.tree_leaves(out, none_is_leaf=True) if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _autocast() -> bool:
+    return bool(any_autocast_enabled()) if any_autocast_enabled is not None else torch.is_autocast_enabled()
+
+
+class LogicalTape:
+    """The torch calls of one forward of a region (see the module's docstring).
+
+    ``args``: the tensors the function receives, by position; ``tape``: the region's aten tape, which
+    tells a tensor the forward made (a constant must not be one)."""
+
+    __slots__ = ("ok", "calls", "outs", "rebuild", "_ids", "_last", "_tape", "_base", "_state")
+
+    def __init__(self, args, tape):
+        self.ok = True
+        self.calls: list[tuple] = []  # (func, argument leaves, their structure, grad mode, then what to drop after it)
+        self.outs: list = []
+        self.rebuild = None
+        self._ids: dict[int, tuple] = {}  # id -> (weak ref, _In or _Made)
+        for k, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and id(a) not in self._ids:
+                self._ids[id(a)] = (weakref.ref(a), _In(k))
+        self._last: dict[tuple[int, int], int] = {}  # (c, j) -> the last call reading it
+        self._tape = tape
+        self._base = current_level()
+        self._state = (_autocast(), torch.is_inference_mode_enabled(), torch.initial_seed())
+
+    @classmethod
+    def wanted(cls, args, tape, levels) -> LogicalTape | None:
+        """A tape for a forward called under ``levels`` where a level above a vmap may differentiate
+        its backward (see above_vmaps), on the ``args`` it receives; None elsewhere."""
+        return cls(args, tape) if tape is not None and above_vmaps(levels) else None
+
+    def fail(self) -> None:
+        """The forward did something this tape cannot stand for: a run again stays."""
+        self.ok = False
+        self.calls = []
+        self._ids = {}
+
+    def _ref(self, x, reader: int):
+        e = self._ids.get(id(x))
+        if e is not None and e[0]() is x:
+            d = e[1]
+            if type(d) is _Made:
+                self._last[(d.c, d.j)] = reader
+            return d
+        tape = self._tape
+        if tape is not None and tape.value_of(unwrap_all(x)) is not None:
+            return None  # (made inside, where no torch function mode saw it)
+        return x  # a constant: a tensor from outside (one the function closes over: the capture mode replaces it)
+
+    def note(self, func, args, kwargs) -> None:
+        """The function calls ``func(*args, **kwargs)`` (as it passed them), before the call runs
+        (a generator's state is the one it draws from); then :meth:`made` its result."""
+        if not self.ok:
+            return
+        if current_level() != self._base or (_autocast(), torch.is_inference_mode_enabled()) != self._state[:2]:
+            return self.fail()  # (a torch.func transform it calls; autocast or inference mode changed inside)
+        c = len(self.calls)
+        leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+        desc = []
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                d = self._ref(x, c)
+                if d is None:
+                    return self.fail()
+                desc.append(d)
+            elif isinstance(x, torch.Generator):
+                desc.append(_Gen(x))
+            else:
+                desc.append(x)
+        self.calls.append([func, desc, spec, torch.is_grad_enabled(), 0])
+
+    def made(self, out) -> None:
+        """The result of the call :meth:`note` saw."""
+        if not self.ok:
+            return
+        c = len(self.calls) - 1
+        made = _tensors_of(out)
+        self.calls[c][4] = len(made)
+        for j, t in enumerate(made):
+            self._ids[id(t)] = (weakref.ref(t), _Made(c, j))
+
+    def finish(self, outs, rebuild) -> LogicalTape | None:
+        """The function returned ``outs`` (``rebuild``: their structure): this tape, or None where
+        it cannot stand for the forward."""
+        if self.ok and torch.initial_seed() != self._state[2]:
+            self.fail()  # (the global seed set inside)
+        if self.ok:
+            n = len(self.calls)
+            self.outs = [self._ref(o, n) if isinstance(o, torch.Tensor) else o for o in outs]
+            if any(d is None for d in self.outs):
+                self.fail()
+        if not self.ok:
+            return None
+        # each call's results nothing reads after it: dropped then, as the function's Python drops them
+        n = len(self.calls)
+        free: list[list] = [[] for _ in self.calls]
+        for c, call in enumerate(self.calls):
+            for j in range(call[4]):
+                last = self._last.get((c, j), c)
+                if last < n:
+                    free[last].append((c, j))
+        self.calls = [(*call[:4], f) for call, f in zip(self.calls, free)]  # type: ignore[misc]
+        self.rebuild = rebuild
+        self._ids, self._last, self._tape = {}, {}, None
+        return self
+
+    def run(self, args) -> tuple:
+        """The recorded calls again on ``args`` (the function's arguments now): ``(outputs, rebuild)``,
+        as the function returns them."""
+        env: list = [None] * len(self.calls)
+
+        def val(d):
+            t = type(d)
+            if t is _In:
+                return args[d.k]
+            if t is _Made:
+                return env[d.c][d.j]
+            if t is _Gen:
+                return d.fresh()
+            return d
+
+        for c, (func, desc, spec, grad, free) in enumerate(self.calls):
+            a, kw = optree.tree_unflatten(spec, [val(d) for d in desc])
+            kw = kw or {}
+            if grad is not torch.is_grad_enabled():  # (as the call ran: no torch function mode sees this,
+                with DisableTorchFunction():  # where torch.no_grad's own switch, a torch call, is one of the calls)
+                    set_grad_mode(grad)
+            out = func(*a, **kw)
+            env[c] = _tensors_of(out)
+            for cc, j in free:
+                env[cc][j] = None
+        return tuple(val(d) for d in self.outs), self.rebuild
