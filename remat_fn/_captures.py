@@ -549,8 +549,8 @@ class CaptureMode(TorchFunctionMode):
             if self.trace is not None:
                 self.trace.step(func, out, self.known is None, self.name)
             if logical is not None:
-                if func is custom_function_call:
-                    logical.fail()  # (a custom Function, a nested region: a run again runs them)
+                if func is custom_function_call:  # (a nested region, a custom Function: Python of their own, which
+                    logical.fail()  # reads what a replay cannot hand it as the forward did; a run again runs them)
                 else:
                     logical.made(out)
         return out

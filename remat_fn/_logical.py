@@ -17,8 +17,9 @@ gradient.
 
 A forward the tape cannot stand for is not recorded (the run again stays): a region calling a custom
 ``autograd.Function`` or holding a nested region, calling ``torch.func`` itself, reading ``.data``, a
-hook or ``autograd`` inside, a tensor made where no torch function mode sees it, autocast or inference
-mode changed inside, the global seed set inside.
+hook or ``autograd`` inside, a tensor made where no torch function mode sees it, an argument that is no
+tensor, generator or immutable value, autocast or inference mode changed inside, the global seed set
+inside.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ class _Gen:
         g = torch.Generator(device=self.device)
         g.set_state(self.state)
         return g
+
+
+# what a call's argument may be besides tensors and generators: values nothing changes after the call
+_CONSTANTS = frozenset({int, float, bool, complex, str, bytes, type(None), type(...), range, torch.dtype, torch.device,
+                        torch.layout, torch.memory_format, torch.Size})
 
 
 def _tensors_of(out) -> list:
@@ -142,8 +148,10 @@ class LogicalTape:
                 desc.append(d)
             elif isinstance(x, torch.Generator):
                 desc.append(_Gen(x))
-            else:
+            elif type(x) in _CONSTANTS or (type(x) is slice and not any(isinstance(v, torch.Tensor) for v in (x.start, x.stop, x.step))):
                 desc.append(x)
+            else:  # (an object the function may change after the call, or holding a tensor the tape would not see)
+                return self.fail()
         self.calls.append([func, desc, spec, torch.is_grad_enabled(), 0])
 
     def made(self, out) -> None:
