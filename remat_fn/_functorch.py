@@ -21,7 +21,7 @@ __all__ = [
     "forward_mode_active", "forward_mode_at", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
     "requires_grad_anywhere", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
     "draws_batched", "batch_layers", "apart_inputs", "rebatch", "sum_levels", "grad_on_top", "vmaps_outermost", "current_level", "grad_mode_at",
-    "transform_autograd", "above_vmaps",
+    "transform_autograd", "above_vmaps", "jvp_innermost",
     "wrap_at_top", "differentiable", "peel_vmaps", "to_physical", "from_physical",
 ]
 
@@ -166,6 +166,12 @@ def vmaps_outermost(levels: dict) -> bool:
     kinds = [levels[k] for k in sorted(levels)]
     n = sum(1 for k in kinds if is_vmap_kind(k))
     return n < len(kinds) and all(is_vmap_kind(k) for k in kinds[:n])
+
+
+def jvp_innermost(levels: dict | None) -> bool:
+    """The innermost of the transforms active at a call (``levels``) is a ``jvp``: what ``.data``
+    strips there (only that level's wrapper)."""
+    return bool(levels) and is_jvp_kind(levels[max(levels)])
 
 
 def above_vmaps(levels: dict | None) -> bool:

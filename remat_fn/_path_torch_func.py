@@ -93,6 +93,7 @@ from ._functorch import (
     grad_on_top,
     grad_wrappers,
     is_vmap_kind,
+    jvp_innermost,
     live_levels,
     needs_grad,
     requires_grad_anywhere,
@@ -223,8 +224,10 @@ class _RematFunction(torch.autograd.Function):
             # or, under vmap(grad), where no replay runs, differentiates the level's graph (its outputs
             # private aliases, see alias_output) unless a region nested in this one holds one of them
             # (swapped, its version checks would fail); batched draws: see draws_in_vmap
+            # (``.data`` read where a jvp level is the innermost: plain code's strips that level, the grad levels
+            # below differentiate through it; the graph's strips its own level: the function runs again, see rerun_vjp)
             if spec.held_inputs or (refs and (not spec.batched or any(type(s[2]) is not FunctionStep for s in tape.spans))) \
-                    or (not spec.batched and draws_in_vmap(spec, tape, batched=True)):
+                    or (not spec.batched and draws_in_vmap(spec, tape, batched=True)) or (spec.foreign is True and jvp_innermost(spec.levels)):
                 spec.graph = None  # backward re-runs (or replays)
             if spec.graph is not None:
                 douts = release_outputs(douts)
@@ -417,7 +420,9 @@ class _RematFunction(torch.autograd.Function):
                 spec.out_values = None
         if touts is None:  # (inside apply: the caller's objects get views of the side outputs, see connect_side_outputs)
             f = recompute_fn(spec, tensors, wrt, out_diff, spec.rerun_objs)
-            if spec.foreign == "autograd":  # (autograd called inside: under a vjp level, as the forward ran)
+            # (autograd called inside: under a vjp level, as the forward ran; ``.data`` read under a grad level:
+            # there too, so that it strips that level, not the rule's jvp level, as plain code's strips the innermost)
+            if spec.foreign == "autograd" or (spec.foreign and spec.levels and not jvp_innermost(spec.levels)):
                 f = functools.partial(primal_under_vjp, f)
             with spec.rng or _NULL, spec.autocast:  # forward mode: recompute everything
                 _, touts = torch.func.jvp(f, tuple(tensors[i] for i in wrt), tuple(tangents[i] for i in wrt))

@@ -8,6 +8,7 @@ differentiates the backward (see Tape.plan)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from ._describe import describe, describe_meta
 from ._errors import RecomputeMismatchError, RematError
 from ._func_semantics import RegionState, out_meta, random_in_vmap, replace_at
-from ._functorch import transform_kinds
+from ._functorch import jvp_innermost, transform_kinds
 from ._record import Diverged, saving
 
 __all__ = ["check_again", "rerun_vjp", "recompute_fn"]
@@ -46,6 +47,10 @@ def rerun_vjp(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot, star
     the recorded forward stands in for it): the input gradients for ``cot``.  Its torch calls
     replayed where recorded (see remat_fn._logical), unless ``python``: the function itself."""
     f = recompute_fn(spec, tensors, wrt, out_diff, python=python)
+    if spec.foreign is True and jvp_innermost(spec.levels):
+        # (``.data`` read where a jvp level was the innermost: plain code's strips that level only, and the
+        # levels below it differentiate through it; here it strips a jvp level of the run's own, not its vjp's)
+        f = functools.partial(_under_jvp, f)
     # (ops whose results backward does not need are skipped where nothing outside differentiates it, see Tape.plan)
     plan = spec.plan if detach else None
 
@@ -62,6 +67,10 @@ def rerun_vjp(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot, star
         if spec.prof is not None:
             spec.prof.record_recompute(spec.name, time.perf_counter() - start)
         return vjp_fn(cot)
+
+
+def _under_jvp(f, *primals):
+    return torch.func.jvp(f, primals, tuple(torch.zeros_like(p) for p in primals))[0]
 
 
 def recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None = None, python: bool = False):
