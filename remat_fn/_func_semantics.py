@@ -594,7 +594,7 @@ class RegionState:
                     self.aborted = [r for _, _, r in mode.made if (t := r()) is not None and carries_grad(t)]
                 raise
             if mode.logical is not None:  # (the outputs as the function returned them, as a replay will)
-                self.logical = mode.logical.finish(outs, rebuild)
+                self.logical, mode.logical = mode.logical.finish(outs, rebuild), None
             # A captured tensor returned as is never went through an op.
             outs = tuple(mode._fix(o) for o in outs)
         if not recompute:

@@ -80,6 +80,13 @@ def _tensors_of(out) -> list:
     return []
 
 
+def _default(g: torch.Generator) -> bool:
+    """A device's default generator (one the region's RNG snapshot restores), not the caller's own."""
+    if g is torch.default_generator:
+        return True
+    return g.device.type != "cpu" and any(g is d for d in getattr(getattr(torch, g.device.type, None), "default_generators", ()))
+
+
 def _autocast() -> bool:
     return bool(any_autocast_enabled()) if any_autocast_enabled is not None else torch.is_autocast_enabled()
 
@@ -90,11 +97,12 @@ class LogicalTape:
     ``args``: the tensors the function receives, by position; ``tape``: the region's aten tape, which
     tells a tensor the forward made (a constant must not be one)."""
 
-    __slots__ = ("ok", "calls", "outs", "rebuild", "_ids", "_last", "_tape", "_base", "_state")
+    __slots__ = ("ok", "calls", "outs", "rebuild", "_ids", "_last", "_tape", "_base", "_state", "_mark")
 
     def __init__(self, args, tape):
         self.ok = True
-        self.calls: list[tuple] = []  # (func, argument leaves, their structure, grad mode, then what to drop after it)
+        # (func, argument leaves, their structure, grad mode, the generator states it drew from, then what to drop after it)
+        self.calls: list = []
         self.outs: list = []
         self.rebuild = None
         self._ids: dict[int, tuple] = {}  # id -> (weak ref, _In or _Made)
@@ -103,6 +111,7 @@ class LogicalTape:
                 self._ids[id(a)] = (weakref.ref(a), _In(k))
         self._last: dict[tuple[int, int], int] = {}  # (c, j) -> the last call reading it
         self._tape = tape
+        self._mark = 0  # (the aten tape's length when the last call began)
         self._base = current_level()
         self._state = (_autocast(), torch.is_inference_mode_enabled(), torch.initial_seed())
 
@@ -138,6 +147,8 @@ class LogicalTape:
         if current_level() != self._base or (_autocast(), torch.is_inference_mode_enabled()) != self._state[:2]:
             return self.fail()  # (a torch.func transform it calls; autocast or inference mode changed inside)
         c = len(self.calls)
+        if c and self.calls[-1][4] < 0:
+            return self.fail()  # (the call before raised, and the function caught it)
         leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
         desc = []
         for x in leaves:
@@ -152,7 +163,8 @@ class LogicalTape:
                 desc.append(x)
             else:  # (an object the function may change after the call, or holding a tensor the tape would not see)
                 return self.fail()
-        self.calls.append([func, desc, spec, torch.is_grad_enabled(), 0])
+        self.calls.append([func, desc, spec, torch.is_grad_enabled(), -1, ()])
+        self._mark = len(self._tape.nodes)
 
     def made(self, out) -> None:
         """The result of the call :meth:`note` saw."""
@@ -161,14 +173,21 @@ class LogicalTape:
         c = len(self.calls) - 1
         made = _tensors_of(out)
         self.calls[c][4] = len(made)
+        # the states the call's draws started from, as the aten tape read them: a replay draws from them,
+        # whatever the function did to the generators between calls (torch.random.fork_rng, set_rng_state)
+        draws: dict = {}
+        for node in self._tape.nodes[self._mark:]:
+            if node.rng is not None and node.rng[1] is not None and _default(node.rng[0]):
+                draws.setdefault(id(node.rng[0]), (node.rng[0], node.rng[1]))
+        self.calls[c][5] = tuple(draws.values())
         for j, t in enumerate(made):
             self._ids[id(t)] = (weakref.ref(t), _Made(c, j))
 
     def finish(self, outs, rebuild) -> LogicalTape | None:
         """The function returned ``outs`` (``rebuild``: their structure): this tape, or None where
         it cannot stand for the forward."""
-        if self.ok and torch.initial_seed() != self._state[2]:
-            self.fail()  # (the global seed set inside)
+        if self.ok and (torch.initial_seed() != self._state[2] or (self.calls and self.calls[-1][4] < 0)):
+            self.fail()  # (the global seed set inside; the last call raised, and the function caught it)
         if self.ok:
             n = len(self.calls)
             self.outs = [self._ref(o, n) if isinstance(o, torch.Tensor) else o for o in outs]
@@ -184,14 +203,26 @@ class LogicalTape:
                 last = self._last.get((c, j), c)
                 if last < n:
                     free[last].append((c, j))
-        self.calls = [(*call[:4], f) for call, f in zip(self.calls, free)]  # type: ignore[misc]
+        self.calls = [(*call[:4], call[5], f) for call, f in zip(self.calls, free)]  # type: ignore[misc]
         self.rebuild = rebuild
         self._ids, self._last, self._tape = {}, {}, None
         return self
 
     def run(self, args) -> tuple:
         """The recorded calls again on ``args`` (the function's arguments now): ``(outputs, rebuild)``,
-        as the function returns them."""
+        as the function returns them.  Each call's draws start from the default generators' states
+        the forward's did; the generators are put back after."""
+        if not self.ok:
+            raise AssertionError("a logical tape that failed is replayed")
+        gens = {id(g): g for call in self.calls for g, _ in call[4]}
+        before = [(g, g.get_state()) for g in gens.values()]
+        try:
+            return self._run(args)
+        finally:
+            for g, state in before:
+                g.set_state(state)
+
+    def _run(self, args) -> tuple:
         env: list = [None] * len(self.calls)
 
         def val(d):
@@ -204,12 +235,14 @@ class LogicalTape:
                 return d.fresh()
             return d
 
-        for c, (func, desc, spec, grad, free) in enumerate(self.calls):
+        for c, (func, desc, spec, grad, draws, free) in enumerate(self.calls):
             a, kw = optree.tree_unflatten(spec, [val(d) for d in desc])
             kw = kw or {}
             if grad is not torch.is_grad_enabled():  # (as the call ran: no torch function mode sees this,
                 with DisableTorchFunction():  # where torch.no_grad's own switch, a torch call, is one of the calls)
                     set_grad_mode(grad)
+            for g, state in draws:
+                g.set_state(state)
             out = func(*a, **kw)
             env[c] = _tensors_of(out)
             for cc, j in free:
