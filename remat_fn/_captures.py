@@ -540,10 +540,6 @@ class CaptureMode(TorchFunctionMode):
                     out = func(*args, **kwargs)
             finally:
                 AMBIENT.call_grad = grad
-            if self.known is None and not self.levels and func == _DATA_GET and out.requires_grad:
-                # (a run again of a region called under eager autograd alone: its vjp level stands for eager
-                # autograd, whose history ``.data`` cuts in plain code; stripping that level reveals it here)
-                out = out.detach()
         if self.known is not None:
             self._note(out)
         if region_depth() == self.depth:
