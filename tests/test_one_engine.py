@@ -199,7 +199,7 @@ def _every(name, block, region):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(6, 4, dtype=D, generator=g)
     xs = torch.randn(3, 6, 4, dtype=D, generator=g)
-    if name in ("vjp", "jvp", "jacfwd", "hessian", "vmap", "vmap_grad", "remat_scan"):
+    if name in ("vjp", "jvp", "jacfwd", "hessian", "vmap", "vmap_grad", "remat_scan", "vmap_hessian", "grad_vmap_grad"):
         block.bn.eval()
     bufs = dict(block.named_buffers())  # (the very tensors: the region updates them)
 
@@ -257,11 +257,18 @@ def _every(name, block, region):
         return vmap(lambda x: fc(params, bufs, x))(xs)
     if name == "vmap_grad":
         return vmap(grad(loss), in_dims=(None, None, 0))(params, bufs, xs)
+    if name == "vmap_hessian":  # (per-example Hessians: the forward's torch calls replayed, see remat_fn._logical)
+        return vmap(hessian(lambda x: loss(params, bufs, x)))(xs)
+    if name == "grad_vmap_grad":  # (MAML: an inner step per task, the meta-gradient over the parameters)
+        def task(p, x):
+            g = grad(loss)(p, bufs, x)
+            return loss({k: p[k] - 0.1 * g[k] for k in p}, bufs, x)
+        return grad(lambda p: vmap(task, in_dims=(None, 0))(p, xs).sum())(params)
     raise AssertionError(name)
 
 
 _EVERY = ["eager", "create_graph", "retain_graph_twice", "grad", "vjp", "jvp", "jacrev", "jacfwd", "hessian",
-          "vmap", "vmap_grad", "grad_of_grad", "nested", "remat_scan", "compile"]
+          "vmap", "vmap_grad", "grad_of_grad", "nested", "remat_scan", "compile", "vmap_hessian", "grad_vmap_grad"]
 # what still runs the function's Python again, and why (docs/design.md, "What still re-runs")
 _RERUNS = {
     "compile": "torch.compile traces the region into torch's checkpoint operator; Dynamo runs the function's "
