@@ -92,7 +92,7 @@ POLICIES = {
         offload_src="cpu", offload_dst="cpu"),
     "budget": policies.memory_budget(0.5),
 }
-TRANSFORMS = ["eager", "grad", "vjp", "vmap_grad", "jacrev", "jvp", "grad_grad"]
+TRANSFORMS = ["eager", "grad", "vjp", "vmap_grad", "jacrev", "jvp", "grad_grad", "vmap_jvp_grad", "grad_vmap_grad"]
 
 
 @dataclasses.dataclass
@@ -174,6 +174,14 @@ def run(transform, fn, xs, wrt):
     if transform == "grad_grad":  # a Hessian-vector product, w.r.t. the input and W
         g = lambda d0, w: grad(lambda y, v: f(y, *diff[1:-1], v), argnums=(0, 1))(d0, w)  # noqa: E731
         return jvp(g, (diff[0], W), (torch.ones_like(diff[0]), torch.ones_like(W)))[1]
+    batched = [torch.stack([d, d * 0.5 + 0.1]) for d in diff[:-1]]
+    if transform == "vmap_jvp_grad":  # per-example Hessian-vector products w.r.t. W (see remat_fn._logical)
+        hvp = lambda *d: jvp(lambda w: grad(lambda v: f(*d, v))(w), (W,), (torch.ones_like(W),))[1]  # noqa: E731
+        return vmap(hvp)(*batched)
+    if transform == "grad_vmap_grad":  # MAML: an inner step on W per example, the meta-gradient
+        def task(w, *d):
+            return f(*d, w - 0.1 * grad(lambda v: f(*d, v))(w))
+        return grad(lambda w: vmap(task, in_dims=(None, *([0] * (n - 1))))(w, *batched).sum())(W)
     raise AssertionError(transform)
 
 
