@@ -280,6 +280,18 @@ def _vjp_fn_of(case, fn):
     return h
 
 
+def cell_vmap_jvp_vjp(case, fn, g):
+    # (per-example Hessian-vector products: a jvp level above the vmap differentiates the region's
+    # backward, where the aten tape's batched ops cannot replay: the forward's torch calls replay
+    # instead, see remat_fn._logical)
+    ps = tuple(torch.stack([p, p * 0.9]) for p in case.primals)
+    outs = torch.func.vmap(case.f(fn))(*ps)
+    cts = tuple(_randn_like(o, g) for o in outs)
+    tps = tuple(_randn_like(p, g) for p in ps)
+    h = _vjp_fn_of(case, fn)
+    return torch.func.vmap(lambda p, c, t: torch.func.jvp(lambda q: h(q, c), (p,), (t,)))(ps, cts, tps)
+
+
 def cell_vmap_vjp(case, fn, g):
     outs = case.call(fn, *case.primals)
     cts = tuple(_randn_like(o, g, batch=(2,)) for o in outs)
@@ -334,6 +346,7 @@ def cell_hessian(case, fn, g):
 CELLS = {
     "eager": cell_eager, "eager_double": cell_eager_double, "vjp": cell_vjp,
     "vjp_nograd": cell_vjp_nograd, "jvp": cell_jvp, "vmap_jvp": cell_vmap_jvp, "vmap_vjp": cell_vmap_vjp,
+    "vmap_jvp_vjp": cell_vmap_jvp_vjp,
     "jvp_vmap": cell_jvp_vmap, "vjp_vmap": cell_vjp_vmap, "vjp_vjp_vmap": cell_vjp_vjp_vmap,
     "vmap_vjp_vmap": cell_vmap_vjp_vmap,
     "vjp_vjp": cell_vjp_vjp, "jvp_vjp": cell_jvp_vjp, "jacrev": cell_jacrev,
@@ -343,7 +356,7 @@ CELLS = {
 # the cells plain pytest runs (first sample of every op); REMAT_OPDB=full runs all
 DEFAULT_CELLS = {("eager", "none"), ("eager_double", "none"), ("vjp", "none"), ("jvp", "none"), ("vmap_jvp", "none"),
                  ("vmap_vjp", "none"), ("jvp_vmap", "none"), ("vjp_vmap", "none"),
-                 ("vjp_vjp_vmap", "none"), ("jvp_vjp", "none"), ("eager", "save_all"), ("vjp", "save_all"),
+                 ("vjp_vjp_vmap", "none"), ("jvp_vjp", "none"), ("vmap_jvp_vjp", "none"), ("eager", "save_all"), ("vjp", "save_all"),
                  ("eager", "dots"), ("vjp", "dots"), ("inplace_eager", "none")}
 
 
