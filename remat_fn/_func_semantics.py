@@ -585,7 +585,8 @@ class RegionState:
         mode.fwd_only = set() if recompute else self.fwd_only
         mode.counts_inputs = stores  # (a region nested in this run keeps aliases of its inputs, see refs_counted)
         run = self.run if python or self.logical is None or not recompute else self.logical.run
-        mode.logical = None if recompute else LogicalTape.wanted(args, self.tape, self.levels)  # (see remat_fn._logical)
+        # (a vmap batching its inputs, a level above it: see remat_fn._logical)
+        mode.logical = LogicalTape.wanted(args, self.tape, self.levels) if self.batched and not recompute else None
         with mode:
             try:
                 outs, rebuild = run(args)

@@ -117,8 +117,10 @@ class LogicalTape:
 
     @classmethod
     def wanted(cls, args, tape, levels) -> LogicalTape | None:
-        """A tape for a forward called under ``levels`` where a level above a vmap may differentiate
-        its backward (see above_vmaps), on the ``args`` it receives; None elsewhere."""
+        """A tape for a forward (its inputs batched: the caller tells) called under ``levels`` where a
+        level above a vmap may differentiate its backward (see above_vmaps), on the ``args`` it
+        receives; None elsewhere (``hessian(f)``: jacfwd's vmap batches only the tangents, and the
+        aten tape's ops replay under it)."""
         return cls(args, tape) if tape is not None and above_vmaps(levels) else None
 
     def fail(self) -> None:
