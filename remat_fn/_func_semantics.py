@@ -435,7 +435,7 @@ class RegionState:
         self.held_inputs: list = []  # (index, object, counted) of the inputs the function stored: see connect_side_outputs
         self.given_ids: list[int] = []  # ids of the inputs as the caller holds them (the Function's forward may see others)
         self.layers = None  # under vmap of forward mode: the batch layers of the inputs and outputs
-        self.logical: LogicalTape | None = None  # the forward's torch calls, where recorded
+        self.logical: LogicalTape | bool | None = None  # the forward's torch calls, where recorded (True: to record)
         self.apart: list[bool] | None = None  # see remat_fn._functorch.apart_inputs
         self.unused: list[bool] | None = None  # (eager autograd around vmap: see _RematFunction.forward)
         self.unread: list[bool] | None = None  # per input: no op of the region read it (see unread_inputs)
@@ -584,9 +584,9 @@ class RegionState:
         mode.every = 0 if recompute else watched(2 if self.vmapped else 1 if self.fwd else 0)
         mode.fwd_only = set() if recompute else self.fwd_only
         mode.counts_inputs = stores  # (a region nested in this run keeps aliases of its inputs, see refs_counted)
-        run = self.run if python or self.logical is None or not recompute else self.logical.run
-        # (a vmap batching its inputs, a level above it: see remat_fn._logical)
-        mode.logical = LogicalTape.wanted(args, self.tape, self.levels) if self.batched and not recompute else None
+        run = self.logical.run if recompute and not python and isinstance(self.logical, LogicalTape) else self.run
+        # (a level above a vmap batching its inputs may differentiate its backward: see remat_fn._logical)
+        mode.logical = LogicalTape(args, self.tape) if self.logical is True and self.tape is not None and not recompute else None
         with mode:
             try:
                 outs, rebuild = run(args)

@@ -174,15 +174,16 @@ def jvp_innermost(levels: dict | None) -> bool:
     return bool(levels) and is_jvp_kind(levels[max(levels)])
 
 
-def above_vmaps(levels: dict | None) -> bool:
-    """A ``vmap`` and two differentiating transforms are active (``vmap(hessian(f))``,
-    ``vmap(grad(grad(f)))``, MAML's ``grad(vmap(grad(f)))``): one may differentiate the region's
-    backward above a vmap, where the ops as vmap batched them cannot be replayed (see
-    remat_fn._logical)."""
-    if not levels:
+def above_vmaps(levels: dict | None, inputs) -> bool:
+    """Two differentiating transforms are active (``levels``: where the region is called), one of
+    them inside a vmap that batches the region's ``inputs`` (``vmap(hessian(f))``,
+    ``vmap(grad(grad(f)))``, MAML's ``grad(vmap(grad(f)))``): it may differentiate the region's
+    backward above that vmap, where the ops as vmap batched them cannot be replayed (see
+    remat_fn._logical).  Not ``hessian(vmap(f))``: the vmap inside every differentiating level."""
+    if not levels or sum(not is_vmap_kind(k) for k in levels.values()) < 2:
         return False
-    kinds = levels.values()
-    return any(is_vmap_kind(k) for k in kinds) and sum(not is_vmap_kind(k) for k in kinds) >= 2
+    outer = min((lv for t in inputs for lv, _ in batch_layers(t)), default=None)
+    return outer is not None and any(lv > outer and not is_vmap_kind(k) for lv, k in levels.items())
 
 
 def rebatch(t: torch.Tensor, layers) -> torch.Tensor:

@@ -15,11 +15,12 @@ calls are checked against the forward's), and the function's Python does not run
 besides calling torch (a counter, a list it appends to) is not done twice, and does not change the
 gradient.
 
-A forward the tape cannot stand for is not recorded (the run again stays): a region calling a custom
-``autograd.Function`` or holding a nested region, calling ``torch.func`` itself, reading ``.data``, a
-hook or ``autograd`` inside, a tensor made where no torch function mode sees it, an argument that is no
-tensor, generator or immutable value, autocast or inference mode changed inside, the global seed set
-inside.
+It is recorded where the caller asks (``RegionState.logical``, see above_vmaps).  A forward the tape
+cannot stand for is not recorded (the run again stays): a region calling a custom
+``autograd.Function`` or holding a nested region, calling ``torch.func`` itself, reading ``.data``,
+a hook or ``autograd`` inside, a tensor made where no torch function mode sees it, an argument that
+is no tensor, generator or immutable value, autocast or inference mode changed inside, the global
+seed set inside, a call that raised.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import weakref
 import optree
 import torch
 
-from ._functorch import above_vmaps, current_level, unwrap_all
+from ._functorch import current_level, unwrap_all
 from ._torch_internals import DisableTorchFunction, any_autocast_enabled, set_grad_mode
 
 __all__ = ["LogicalTape"]
@@ -115,13 +116,6 @@ class LogicalTape:
         self._base = current_level()
         self._state = (_autocast(), torch.is_inference_mode_enabled(), torch.initial_seed())
 
-    @classmethod
-    def wanted(cls, args, tape, levels) -> LogicalTape | None:
-        """A tape for a forward (its inputs batched: the caller tells) called under ``levels`` where a
-        level above a vmap may differentiate its backward (see above_vmaps), on the ``args`` it
-        receives; None elsewhere (``hessian(f)``: jacfwd's vmap batches only the tangents, and the
-        aten tape's ops replay under it)."""
-        return cls(args, tape) if tape is not None and above_vmaps(levels) else None
 
     def fail(self) -> None:
         """The forward did something this tape cannot stand for: a run again stays."""

@@ -82,6 +82,7 @@ from ._func_semantics import (
 )
 from ._function_steps import FunctionStep, plan_steps
 from ._functorch import (
+    above_vmaps,
     any_batched,
     apart_inputs,
     batch_layers,
@@ -524,6 +525,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         spec.batched = any(any_batched(t) for t in (*inputs, *closed))
         if spec.batched:
             spec.apart = apart_inputs(levels, (*inputs, *closed))
+            spec.logical = above_vmaps(levels, (*inputs, *closed)) or None  # (its torch calls recorded: remat_fn._logical)
         spec.check = call.strict  # (a run again in backward checks the function; the gradient comes from the forward)
         rerun = (keep_graph and policy is not None) or (spec.offload is not None and spec.offload.rerun)
         if rerun or keep_graph or nested or (spec.batched and not vmaps_outermost(levels)):  # (nested: replays its recorded forward)
