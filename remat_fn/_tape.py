@@ -74,7 +74,7 @@ class Value:
     """A tensor value of the region: output ``idx`` of node ``node`` (``node >= 0``), or
     an outside tensor ``t`` at ``version`` (``node == -1``)."""
 
-    __slots__ = ("node", "idx", "t", "version", "snap", "store", "ptr", "geom")
+    __slots__ = ("node", "idx", "t", "version", "snap", "store", "ptr", "geom", "st")
 
     def __init__(self, node: int, idx: int, t=None, version: int = 0, ptr: int = 0):
         self.node = node
@@ -87,6 +87,7 @@ class Value:
         self.store = None  # (packed, unpack): stored through enclosing hooks
         self.ptr = ptr
         self.geom = None  # (dtype, device, storage offset, size, stride), with a StorageCopy
+        self.st = 0  # an op's fresh output: its storage (``t.data = ...`` re-points the tensor, unseen)
 
     def __repr__(self):  # pragma: no cover - debugging aid
         return f"Value(node={self.node}, idx={self.idx})" if self.node >= 0 else "Value(outside)"
@@ -195,7 +196,7 @@ class Tape:
         if e is not None:
             v, ref = e
             if v.node >= 0:
-                if ref() is t:
+                if ref() is t and (not v.st or v.st == storage_key(t)):
                     return v
             elif ref is t and (v.version == version_of(t) or (v.snap is not None and v.ptr in self.written_outside)):
                 # (read again after the region wrote it through a view: the replay's copy
@@ -218,7 +219,7 @@ class Tape:
         if e is None:
             return None
         v, ref = e
-        if v.node >= 0 and ref() is t:
+        if v.node >= 0 and ref() is t and (not v.st or v.st == storage_key(t)):
             return v
         return None
 
@@ -359,6 +360,7 @@ class Tape:
                 if fresh and id(t) not in wrote:
                     if (p := storage_key(t)):
                         self.made.add(p)
+                        v.st = p
                     if self.last_write:  # (a freed storage reused)
                         self.last_write.pop(p or self.key(t), None)
                 elif (view or node.func in ALIASING) and not has_storage(t) and not storage_key(t) \
@@ -638,8 +640,7 @@ class Tape:
 
 
 def redirect_writes(node, args, kwargs):
-    """``node``'s arguments with the outside tensors it writes replaced by copies of
-    what the forward read (the torch.func re-run never writes a tensor it does not own)."""
+    """``node``'s arguments, the outside tensors it writes replaced by copies of what the forward read (a run again writes none it does not own)."""
     # node.flat lines up with the positional arguments, or with the leaves (see Node)
     flat, spec = (list(args), None) if node.spec is None else optree.tree_flatten((args, kwargs), none_is_leaf=True)
     env: dict = {}
