@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from . import budget, core, distributed, nested, offload, recorded, replay, rng
+from . import above_vmap, budget, core, distributed, nested, offload, recorded, replay, rng
 from .harness import machine_info
 
-MODULES = (core, recorded, rng, budget, distributed, offload, replay, nested)
+MODULES = (core, recorded, rng, budget, distributed, offload, replay, nested, above_vmap)
 SECTIONS = {name: spec for m in MODULES for name, spec in m.SECTIONS.items()}
 CHILDREN = {name: fn for m in MODULES for name, fn in m.CHILDREN.items()}
 QUICK_DEFAULT = ("overhead", "step", "gpt2", "policies", "func", "rss", "random")

@@ -73,6 +73,18 @@ def test_replay_section_reports_backward_peaks_and_recording_time(tmp_path):
             assert lo <= med <= hi
 
 
+def test_above_vmap_section_reports_calls_memory_and_time(tmp_path):
+    proc = _cli("--quick", "--only", "above_vmap", "--out", str(tmp_path), "--no-plot")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "results.json").read_text())["above_vmap"]["rows"]
+    by = {(r["step"], r["variant"]): r for r in rows}
+    for step in {r["step"] for r in rows}:
+        plain, rem = by[(step, "no remat")], by[(step, "remat")]
+        assert rem["calls"] == plain["calls"] > 0  # (the blocks' Python once per forward: the calls replay)
+        med, lo, hi = rem["time"]
+        assert lo <= med <= hi
+
+
 def test_rejects_unknown_section(tmp_path):
     proc = _cli("--only", "nope", "--out", str(tmp_path))
     assert proc.returncode != 0 and "unknown section" in proc.stderr
