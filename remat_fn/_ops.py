@@ -184,6 +184,18 @@ def storage_key(t: torch.Tensor) -> int:
         return 0
 
 
+def storage_id(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage object, which ``t.data = other`` changes and a resize
+    does not (its data pointer moves); 0 where ``t`` has no storage of its own to ask (see
+    storage_key)."""
+    if type(t) not in PLAIN and not has_storage(t):
+        return 0
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
 def generator_of(func, args, kwargs, pos):
     """The generator an op draws from: its generator argument (``pos``: (position, name)),
     else the default generator of its device."""

@@ -60,6 +60,7 @@ from ._ops import (
     reenter,
     run_recorded,
     simple_args,
+    storage_id,
     storage_key,
     written_tensors,
 )
@@ -87,7 +88,7 @@ class Value:
         self.store = None  # (packed, unpack): stored through enclosing hooks
         self.ptr = ptr
         self.geom = None  # (dtype, device, storage offset, size, stride), with a StorageCopy
-        self.st = 0  # an op's fresh output: its storage (``t.data = ...`` re-points the tensor, unseen)
+        self.st = 0  # an op's output: its storage's identity (``t.data = ...`` re-points the tensor, unseen)
 
     def __repr__(self):  # pragma: no cover - debugging aid
         return f"Value(node={self.node}, idx={self.idx})" if self.node >= 0 else "Value(outside)"
@@ -196,11 +197,10 @@ class Tape:
         if e is not None:
             v, ref = e
             if v.node >= 0:
-                if ref() is t and (not v.st or v.st == storage_key(t)):
+                if ref() is t and (not v.st or v.st == storage_id(t)):
                     return v
             elif ref is t and (v.version == version_of(t) or (v.snap is not None and v.ptr in self.written_outside)):
-                # (read again after the region wrote it through a view: the replay's copy
-                # of this value receives those writes in order)
+                # (read again after the region wrote it through a view: the replay's copy of this value receives those writes in order)
                 return v
         ptr = self.key(t)
         if ptr in self.made and (v := unseen_alias(self, t, ptr)) is not None:
@@ -219,7 +219,7 @@ class Tape:
         if e is None:
             return None
         v, ref = e
-        if v.node >= 0 and ref() is t and (not v.st or v.st == storage_key(t)):
+        if v.node >= 0 and ref() is t and (not v.st or v.st == storage_id(t)):
             return v
         return None
 
@@ -355,12 +355,12 @@ class Tape:
         for i, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
                 v = Value(k, i)
+                v.st = storage_id(t)
                 reg[id(t)] = (v, weakref.ref(t))
                 outs.append(v)
                 if fresh and id(t) not in wrote:
                     if (p := storage_key(t)):
                         self.made.add(p)
-                        v.st = p
                     if self.last_write:  # (a freed storage reused)
                         self.last_write.pop(p or self.key(t), None)
                 elif (view or node.func in ALIASING) and not has_storage(t) and not storage_key(t) \

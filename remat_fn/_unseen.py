@@ -30,7 +30,8 @@ def unseen_alias(tape, t: torch.Tensor, ptr: int | None = None):
     base = None
     for v, ref in reversed(tape.reg.values()):
         b = ref() if v.node >= 0 else None
-        if b is not None and b.dtype == t.dtype and tape.key(b) == ptr:
+        # (not ``t`` itself, nor another tensor re-pointed since its op made it: see Tape.lookup)
+        if b is not None and b is not t and b.dtype == t.dtype and tape.key(b) == ptr and tape.value_of(b) is v:
             if (b.size(), b.stride(), b.storage_offset()) == geom:
                 base = b
                 break

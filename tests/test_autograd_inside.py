@@ -426,3 +426,39 @@ def test_data_setter_inside_a_region_under_eager_autograd(order):
         return torch.autograd.grad(g.sin().sum(), w)[0] if order == "create_graph" else g
 
     _close(run(remat), run(ident))
+
+
+def _data_on_a_view(x, w, w2):
+    h = torch.tanh(x @ w)
+    z = h.view(-1)
+    z.data = (h.detach() * 3).reshape(-1).clone()
+    return torch.sin(z.view(4, 5) @ w2)
+
+
+def _grown_through_an_alias(x, w, w2):
+    h = torch.tanh(x @ w)
+    z = torch.sin(h)
+    z.detach().resize_(1000)  # (the storage grows, its data moves: z is the same tensor, same values)
+    return torch.sin(z @ w2)
+
+
+@pytest.mark.parametrize("body", [_data_on_a_view, _grown_through_an_alias], ids=["data_on_a_view", "grown_through_an_alias"])
+@pytest.mark.parametrize("how", ["eager", "eager_double", "grad_of_grad"])
+def test_region_made_tensor_whose_storage_changes(body, how):
+    """A view re-pointed by ``.data =`` is a tensor from outside too (15.9 off before); one whose storage
+    grew in place keeps its op (its storage object stays: a first version compared data pointers and
+    lost the second-order terms under grad(grad), 0.74 off; found by a hostile pass)."""
+    g = torch.Generator().manual_seed(23)
+    x, w0, w2 = (torch.randn(*s, dtype=D, generator=g) for s in ((4, 3), (3, 5), (5, 5)))
+
+    def run(wrap):
+        f = lambda w: wrap(body)(x, w, w2).sum()  # noqa: E731
+        if how == "grad_of_grad":
+            return grad(lambda w: grad(f)(w).pow(2).sum())(w0)
+        w = w0.clone().requires_grad_()
+        (gw,) = torch.autograd.grad(f(w), w, create_graph=how == "eager_double")
+        return torch.autograd.grad(gw.sin().sum(), w)[0] if how == "eager_double" else gw
+
+    if body is _data_on_a_view and how == "grad_of_grad":
+        pytest.skip("plain code refuses .data writes inside a functorch transform")
+    _close(run(remat), run(ident))
