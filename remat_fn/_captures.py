@@ -502,7 +502,7 @@ class CaptureMode(TorchFunctionMode):
                 # (a forward-mode recomputation, which differentiates nothing: the hook has nothing to act on)
                 return RemovableHandle(_NO_HOOKS)
             if func == _DATA_GET and not is_wrapped(args[0]) and id(args[0]) in self.subst:  # (a tensor it closes over:
-                return func(args[0])  # as plain code reads it)
+                return self._done(func, func(args[0]), args, None)  # as plain code reads it; one of its calls)
         if func in _METADATA:  # (reads no values: nothing to thread, whatever tensor it is)
             if logical is not None and func in _ALIASES:
                 logical.fail()
@@ -540,6 +540,10 @@ class CaptureMode(TorchFunctionMode):
                     out = func(*args, **kwargs)
             finally:
                 AMBIENT.call_grad = grad
+        return self._done(func, out, args, logical)
+
+    def _done(self, func, out, args, logical):
+        """The call ``func(*args)`` returned ``out``: known, counted, traced (in both runs alike)."""
         if self.known is not None:
             self._note(out)
         if region_depth() == self.depth:

@@ -131,8 +131,11 @@ class LogicalTape:
                 self._last[(d.c, d.j)] = reader
             return d
         tape = self._tape
-        if tape is not None and tape.value_of(unwrap_all(x)) is not None:
-            return None  # (made inside, where no torch function mode saw it)
+        if tape is not None:
+            with DisableTorchFunction():  # (finish runs under the capture mode: its own storage reads are no calls)
+                b = unwrap_all(x)
+                if tape.value_of(b) is not None or tape.key(b) in tape.made:
+                    return None  # (made inside where no torch function mode saw it: nn.Parameter(h), as_subclass)
         return x  # a constant: a tensor from outside (one the function closes over: the capture mode replaces it)
 
     def note(self, func, args, kwargs) -> None:
