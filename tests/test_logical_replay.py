@@ -20,7 +20,7 @@ from torch.func import functional_call, grad, hessian, jvp, vmap
 
 from remat_fn import remat
 
-from ._util import assert_tree_close, ident
+from ._util import assert_tree_close, ident, square_function
 
 D = torch.float64
 _G = torch.Generator().manual_seed(51)
@@ -190,26 +190,7 @@ def test_strict_checks_still_run_the_function_itself_again():
     assert len(calls) == 2
 
 
-class _Custom(torch.autograd.Function):
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return x.sin()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * x.cos()
-
-    @staticmethod
-    def jvp(ctx, t):
-        (x,) = ctx.saved_tensors
-        return t * x.cos()
+_SQUARE = square_function("Square")
 
 
 @pytest.mark.parametrize("what", ["nested_region", "custom_function", "data", "torch_func_inside"])
@@ -225,7 +206,7 @@ def test_forwards_the_torch_calls_cannot_stand_for_run_again_exactly(what):
             if what == "nested_region":
                 h = inner(h)
             elif what == "custom_function":
-                h = _Custom.apply(h)
+                h = _SQUARE.apply(h)
             elif what == "data":
                 h = h * h.data.abs().max()
             else:
