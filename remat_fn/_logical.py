@@ -116,7 +116,6 @@ class LogicalTape:
         self._base = current_level()
         self._state = (_autocast(), torch.is_inference_mode_enabled(), torch.initial_seed())
 
-
     def fail(self) -> None:
         """The forward did something this tape cannot stand for: a run again stays."""
         self.ok = False
