@@ -491,7 +491,9 @@ class CaptureMode(TorchFunctionMode):
             self.subst[obj] = t
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        logical = self.logical if region_depth() == self.depth else None
+        logical = self.logical  # (this region's own calls only: not those of a region nested in it)
+        if logical is not None and region_depth() != self.depth:
+            logical = None
         if func in _DATA:
             if logical is not None:
                 logical.fail()

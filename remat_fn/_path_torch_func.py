@@ -75,7 +75,6 @@ from ._func_semantics import (
     keep_nothing,
     out_meta,
     plan_rerun,
-    primal_under_vjp,
     saved_inputs,
     stale_side_outputs,
     undo_forward,
@@ -420,11 +419,7 @@ class _RematFunction(torch.autograd.Function):
             except CannotReplay:
                 spec.out_values = None
         if touts is None:  # (inside apply: the caller's objects get views of the side outputs, see connect_side_outputs)
-            f = recompute_fn(spec, tensors, wrt, out_diff, spec.rerun_objs)
-            # (autograd called inside: under a vjp level, as the forward ran; ``.data`` read under a grad level:
-            # there too, so that it strips that level, not the rule's jvp level, as plain code's strips the innermost)
-            if spec.foreign == "autograd" or (spec.foreign and spec.levels and not jvp_innermost(spec.levels)):
-                f = functools.partial(primal_under_vjp, f)
+            f = recompute_fn(spec, tensors, wrt, out_diff, spec.rerun_objs, under_jvp=True)
             with spec.rng or _NULL, spec.autocast:  # forward mode: recompute everything
                 _, touts = torch.func.jvp(f, tuple(tensors[i] for i in wrt), tuple(tangents[i] for i in wrt))
         it = iter(touts)

@@ -15,7 +15,7 @@ import torch
 
 from ._describe import describe, describe_meta
 from ._errors import RecomputeMismatchError, RematError
-from ._func_semantics import RegionState, out_meta, random_in_vmap, replace_at
+from ._func_semantics import RegionState, out_meta, primal_under_vjp, random_in_vmap, replace_at
 from ._functorch import jvp_innermost, transform_kinds
 from ._record import Diverged, saving
 
@@ -47,10 +47,6 @@ def rerun_vjp(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot, star
     the recorded forward stands in for it): the input gradients for ``cot``.  Its torch calls
     replayed where recorded (see remat_fn._logical), unless ``python``: the function itself."""
     f = recompute_fn(spec, tensors, wrt, out_diff, python=python)
-    if spec.foreign is True and jvp_innermost(spec.levels):
-        # (``.data`` read where a jvp level was the innermost: plain code's strips that level only, and the
-        # levels below it differentiate through it; here it strips a jvp level of the run's own, not its vjp's)
-        f = functools.partial(_under_jvp, f)
     # (ops whose results backward does not need are skipped where nothing outside differentiates it, see Tape.plan)
     plan = spec.plan if detach else None
 
@@ -73,9 +69,16 @@ def _under_jvp(f, *primals):
     return torch.func.jvp(f, primals, tuple(torch.zeros_like(p) for p in primals))[0]
 
 
-def recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None = None, python: bool = False):
+def recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None = None, python: bool = False,
+                 under_jvp: bool = False):
     """The region as a function of its differentiated inputs, returning its differentiable outputs
-    (``side``: receives its side outputs, which the run left in the caller's objects)."""
+    (``side``: receives its side outputs, which the run left in the caller's objects), to run under
+    a vjp level (backward's), or a jvp level (``under_jvp``: the jvp rule's).  That level stands
+    innermost where the call's innermost level stood, and ``.data`` strips the innermost wrapper
+    only: where the function read it (``spec.foreign``) and the call's innermost level was of the
+    other kind, a level of that kind goes around it, for ``.data`` to strip (the levels below
+    differentiate through it, as they do plain code's).  Autograd called inside: always under a
+    vjp level, as the forward ran it."""
     def f(*diff_inputs):
         with torch.set_grad_enabled(spec.grad_mode):  # (the caller's mode, as the forward ran it)
             outs = checked_outputs(spec, spec.call(replace_at(tensors, wrt, diff_inputs), None, side is not None, python)[0])
@@ -83,6 +86,10 @@ def recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None = 
             side[:] = outs[spec.n_out:]
         return tuple(o for o, d in zip(outs, out_diff) if d)
 
+    if under_jvp and (spec.foreign == "autograd" or (spec.foreign and spec.levels and not jvp_innermost(spec.levels))):
+        return functools.partial(primal_under_vjp, f)
+    if not under_jvp and spec.foreign is True and jvp_innermost(spec.levels):
+        return functools.partial(_under_jvp, f)
     return f
 
 
