@@ -19,7 +19,7 @@ It is recorded where the caller asks (``RegionState.logical``, see above_vmaps).
 cannot stand for is not recorded (the run again stays): a region calling a custom
 ``autograd.Function`` or holding a nested region, calling ``torch.func`` itself, reading ``.data``,
 a hook or ``autograd`` inside, a tensor made where no torch function mode sees it, an argument that
-is no tensor, generator or immutable value, autocast or inference mode changed inside, the global
+is no tensor, generator, numpy array or immutable value, autocast or inference mode changed inside, the global
 seed set inside, a call that raised.
 """
 
@@ -66,6 +66,25 @@ class _Gen:
         g = torch.Generator(device=self.device)
         g.set_state(self.state)
         return g
+
+
+class _Array:
+    """A numpy array argument (``torch.tensor(array)``): its contents at the call, handed to each replay as
+    a fresh copy (numpy's writes after the forward do not reach it; the replay's writes do not reach numpy)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, a):
+        self.data = a.copy()
+
+    def fresh(self):
+        return self.data.copy()
+
+
+def _array(x) -> bool:
+    """A numpy array (told without importing numpy, which the library does not depend on)."""
+    t = type(x)
+    return t.__name__ == "ndarray" and t.__module__ == "numpy" and x.dtype.kind in "biufc"
 
 
 # what a call's argument may be besides tensors and generators: values nothing changes after the call
@@ -157,6 +176,8 @@ class LogicalTape:
                 desc.append(d)
             elif isinstance(x, torch.Generator):
                 desc.append(_Gen(x))
+            elif _array(x):
+                desc.append(_Array(x))
             elif type(x) in _CONSTANTS or (type(x) is slice and not any(isinstance(v, torch.Tensor) for v in (x.start, x.stop, x.step))):
                 desc.append(x)
             else:  # (an object the function may change after the call, or holding a tensor the tape would not see)
@@ -229,7 +250,7 @@ class LogicalTape:
                 return args[d.k]
             if t is _Made:
                 return env[d.c][d.j]
-            if t is _Gen:
+            if t is _Gen or t is _Array:
                 return d.fresh()
             return d
 

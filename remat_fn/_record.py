@@ -29,14 +29,12 @@ from ._functorch import forward_mode_active, storage_ptr
 from ._functorch import unwrap_all as _base
 from ._offload import Offloader, Stored, hint, meta_args, tag_name
 from ._ops import DETACH, METADATA_ONLY, arg_meta, arg_shapes, draw, follow, placeholder, run_recorded, single_output, user_modes
-from ._tape import redirect_writes
+from ._storage_copy import redirect_writes
 from ._torch_internals import DisableTorchFunction, TorchDispatchMode, dispatch_stack_len, schema
 from ._torch_internals import version as version_of
 from .policies import NAMED, Offload, PolicyContext, decide
 
 __all__ = ["Record", "SaveMode", "saving", "paused", "checkpoint_name", "Diverged", "recording_tapes"]
-
-
 
 
 def recording_tapes() -> list:

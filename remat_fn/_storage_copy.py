@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import optree
 import torch
 
-__all__ = ["StorageCopy", "clone_storage", "from_copy", "versioned_copy"]
+__all__ = ["StorageCopy", "clone_storage", "from_copy", "redirect_writes", "versioned_copy"]
 
 
 class StorageCopy:
@@ -47,3 +48,15 @@ def versioned_copy(t: torch.Tensor) -> torch.Tensor:
     """A copy of the inference tensor ``t`` that is not one: it has a version counter."""
     with torch.inference_mode(False):
         return t.clone()
+
+
+def redirect_writes(node, args, kwargs):
+    """``node``'s (a tape node's) arguments, the outside tensors it writes replaced by copies of what
+    the forward read (a run again writes none it does not own)."""
+    # node.flat lines up with the positional arguments, or with the leaves (see _tape.Node)
+    flat, spec = (list(args), None) if node.spec is None else optree.tree_flatten((args, kwargs), none_is_leaf=True)
+    env: dict = {}
+    for j, v in enumerate(node.flat):
+        if getattr(v, "snap", None) is not None and v.node < 0:  # (an outside Value the region writes)
+            flat[j] = from_copy(v, env)
+    return (flat, kwargs) if spec is None else optree.tree_unflatten(spec, flat)

@@ -45,7 +45,9 @@ from ._ops import (
     ALIASING,
     DECOMPOSED,
     DETACH,
+    LIFT_FRESH,
     SEQ,
+    TO_COPY,
     bookkeeping,
     call_grad_mode,
     copy_before_write,
@@ -68,7 +70,7 @@ from ._storage_copy import StorageCopy, clone_storage, from_copy, versioned_copy
 from ._torch_internals import version as version_of
 from ._unseen import unseen_alias
 
-__all__ = ["Tape", "Value", "Node", "redirect_writes"]
+__all__ = ["Tape", "Value", "Node"]
 
 _NULL = contextlib.nullcontext()
 class Value:
@@ -254,6 +256,8 @@ class Tape:
                     w = last.get(v.ptr if v.node < 0 else self.key(x))
                     if w is not None:
                         reads.append(w)
+        if func is TO_COPY and flat and type(flat[0]) is Value and flat[0].node >= 0:
+            self._copied_data(flat[0])
         rng = None
         if info[1]:
             g = generator_of(func, args, kwargs, info[6])
@@ -283,6 +287,16 @@ class Tape:
         out = func(*args, **kwargs) if node.rng is None else draw(node, func, args, kwargs)
         self.after(node, out, args, kwargs)
         return out
+
+    def _copied_data(self, v: Value) -> None:
+        """``torch.tensor(array)``: ``_to_copy`` of ``lift_fresh`` of a tensor over numpy's memory, which numpy
+        writes without a version bump; the replay copies a copy taken now (``torch.as_tensor`` copies nothing)."""
+        n = self.nodes[v.node]
+        if n.func is LIFT_FRESH and type(src := n.flat[0]) is Value and src.node < 0 and id(src.t) in self.reg:
+            with bookkeeping():
+                c = versioned_copy(src.t)
+            n.flat[0] = c = Value(-1, 0, c, version_of(c), self.key(c))
+            n.reads = [c]
 
     def _snapshot(self, ptr: int, t: torch.Tensor) -> None:
         """The region writes (through ``t``) into an outside storage: the values read from it
@@ -473,14 +487,8 @@ class Tape:
     def release(self, used_outside) -> None:
         """After planning: hold only what the replay reads."""
         self.reg = None
-        self.outside = {}
-        self.last_write = {}
-        self.written_outside = set()
-        self.storage_copies = {}
-        self.synth = {}
-        self.writes_to = {}
-        self.held_at = {}
-        self.made = set()
+        self.outside, self.last_write, self.storage_copies, self.synth, self.writes_to, self.held_at = {}, {}, {}, {}, {}, {}
+        self.written_outside, self.made = set(), set()
         used = {id(v) for v in used_outside}
         for v in self.stale:
             if id(v) not in used:
@@ -638,13 +646,3 @@ class Tape:
                 result[i] = get(v)
         return result
 
-
-def redirect_writes(node, args, kwargs):
-    """``node``'s arguments, the outside tensors it writes replaced by copies of what the forward read (a run again writes none it does not own)."""
-    # node.flat lines up with the positional arguments, or with the leaves (see Node)
-    flat, spec = (list(args), None) if node.spec is None else optree.tree_flatten((args, kwargs), none_is_leaf=True)
-    env: dict = {}
-    for j, v in enumerate(node.flat):
-        if type(v) is Value and v.node < 0 and v.snap is not None:
-            flat[j] = from_copy(v, env)
-    return (flat, kwargs) if spec is None else optree.tree_unflatten(spec, flat)
