@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from ._ambient import AMBIENT
 from ._capture_ops import ONLY_CPP, ONLY_PY, Produced, carry_grad, in_place, write_below
 from ._debug import CallTrace
-from ._describe import describe
+from ._describe import call_meta, describe, user_frame
 from ._errors import mutated_input
 from ._function_steps import forward_below, function_steps, invisible
 from ._functorch import (
@@ -215,8 +215,8 @@ class CaptureMode(TorchFunctionMode):
         known: the tensors that may be used freely (:class:`Known`: the region's
             inputs); tensors produced inside the region are added as they
             appear.  ``None`` disables the safety net (a recomputation).
-        trace: the region's :class:`CallTrace`: recorded in the forward,
-            checked during a recomputation.
+        trace: the forward's call trace (a list the forward fills, ``where``: with user source
+            lines), or a recomputation's :class:`CallTrace` checking it.
         name: the region's name, for error messages.
         inputs: the region's input tensors as the function receives them: an
             in-place op on one of them, or on a view of one, is refused before
@@ -241,7 +241,7 @@ class CaptureMode(TorchFunctionMode):
     """
 
     def __init__(self, subst: dict[int, torch.Tensor], known: Known | None,
-                 trace: CallTrace | None = None, name: str = "fn",
+                 trace: CallTrace | list | None = None, name: str = "fn",
                  produced: set[int] | None = None, inputs: list[torch.Tensor] = (),
                  grab: dict[int, list[int]] | None = None, late=(),
                  first: dict | None = None):
@@ -254,6 +254,7 @@ class CaptureMode(TorchFunctionMode):
         self.known = known
         self.hits: set[int] = set()
         self.trace = trace
+        self.where = False
         self.name = name
         self.depth = region_depth()
         # (the functorch level the function is called at: a transform it calls itself sits above)
@@ -552,8 +553,12 @@ class CaptureMode(TorchFunctionMode):
             call = self.calls
             self.calls = call + 1
             self._made(call, out, args)
-            if self.trace is not None:
-                self.trace.step(func, out, self.known is None, self.name)
+            trace = self.trace
+            if trace is not None:
+                if self.known is None:
+                    trace.step(func, out, self.name)
+                elif (meta := call_meta(out)) is not None:
+                    trace.append((func, meta, user_frame() if self.where else None))
             if logical is not None:
                 if func is custom_function_call:  # (a nested region, a custom Function: Python of their own, which
                     logical.fail()  # reads what a replay cannot hand it as the forward did; a run again runs them)

@@ -12,12 +12,9 @@ backward.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
-
-import torch
 
 from ._ambient import AMBIENT, SWITCHES
-from ._describe import describe_meta, user_frame
+from ._describe import call_meta, describe_meta, user_frame
 from ._errors import RecomputeMismatchError
 from ._torch_internals import TorchDispatchMode
 
@@ -84,19 +81,11 @@ def format_traces(forward: list[str], recompute: list[str] | None) -> str:
     return "\n".join(lines)
 
 
-def _out_meta(out: Any) -> tuple | None:
-    if isinstance(out, torch.Tensor):
-        return ((tuple(out.shape), out.dtype, out.device),)
-    if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
-        return tuple((tuple(o.shape), o.dtype, o.device) if isinstance(o, torch.Tensor) else None
-                     for o in out)
-    return None
-
-
 class CallTrace:
-    """The tensor-producing torch calls of a region's forward, checked on recompute
-    (torch-function level: the same calls in both runs, whatever the grad mode,
-    unlike the aten ops of :class:`OpTrace`).
+    """The check of a recomputation against the tensor-producing torch calls of a region's forward
+    (torch-function level: the same calls in both runs, whatever the grad mode, unlike the aten ops
+    of :class:`OpTrace`).  The forward records them (``ops``: (func, :func:`call_meta`, user source
+    line with ``debug=True``), by ``CaptureMode``); a recomputation makes one of these to check them.
 
     The ``torch.func`` path cannot see the tensors autograd saves (saved-tensor
     hooks are refused there), so it checks, call by call, that the
@@ -106,20 +95,14 @@ class CallTrace:
 
     __slots__ = ("ops", "pos", "where")
 
-    def __init__(self, where: bool = False):
-        self.ops: list[tuple] = []
+    def __init__(self, ops: list, where: bool = False):
+        self.ops = ops
         self.pos = 0
-        self.where = where  # also record user source lines (debug=True)
+        self.where = where  # the forward recorded user source lines (debug=True)
 
-    def rewind(self) -> None:
-        self.pos = 0
-
-    def step(self, func, out, recompute: bool, name: str) -> None:
-        meta = _out_meta(out)
+    def step(self, func, out, name: str) -> None:
+        meta = call_meta(out)
         if meta is None:
-            return
-        if not recompute:
-            self.ops.append((func, meta, user_frame() if self.where else None))
             return
         i = self.pos
         self.pos = i + 1

@@ -13,7 +13,7 @@ import traceback
 
 import torch
 
-__all__ = ["short_dtype", "describe", "describe_meta", "user_frame"]
+__all__ = ["short_dtype", "describe", "describe_meta", "user_frame", "call_meta"]
 
 _SHORT = {
     torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
@@ -51,3 +51,13 @@ def user_frame() -> str:
             continue
         return f"{os.path.basename(f)}:{fr.lineno} ({fr.name})"
     return "<unknown>"
+
+
+def call_meta(out) -> tuple | None:
+    """The (shape, dtype, device) of each tensor a torch call returned (None: it returned none), as a
+    region's call trace records them (see remat_fn._debug.CallTrace)."""
+    if isinstance(out, torch.Tensor):
+        return ((tuple(out.shape), out.dtype, out.device),)
+    if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
+        return tuple((tuple(o.shape), o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in out)
+    return None

@@ -25,15 +25,16 @@ from ._ambient import AMBIENT
 from ._budget import Measuring
 from ._describe import describe_meta
 from ._errors import MutatedSavedTensorError, RematError
-from ._functorch import storage_ptr
+from ._functorch import storage_ptr, unwrap_all
 from ._offload import hooks_for_inputs, report_inputs, requesting, unaliased
 from ._profile import timer
 from ._record import Record
-from ._rng_state import RNGSnapshot
+from ._region import RNGSnapshot
 from ._tape import Tape
 from ._torch_internals import version as version_of
+from ._unseen import unseen_alias
 
-__all__ = ["Frame", "finish_tape", "input_hooks", "finish_record"]
+__all__ = ["Frame", "finish_tape", "input_hooks", "finish_record", "plan_kept", "output_value"]
 
 _NULL = contextlib.nullcontext()
 
@@ -234,7 +235,7 @@ class Frame:
         tape, rec, values = self.tape, self.rec, self.values
         if target is not None:  # inside the forward: nothing is final yet, recompute from outside
             live = [target]
-            run, _, _ = tape.plan([values[target], *self.deps], lambda v: False)
+            run, _, _ = tape.plan([values[target], *self.deps])
             pos = {target: len(tape.nodes)}
         else:
             used = self.consumed or ()
@@ -244,7 +245,7 @@ class Frame:
                 run = self.run
             else:
                 kept = self.kept
-                run, _, _ = tape.plan([*(values[i] for i in live), *self.deps], lambda v: id(v) in kept)
+                run, _, _ = tape.plan([*(values[i] for i in live), *self.deps], kept)
             pos = self.pos
         nodes = tape.nodes
 
@@ -269,6 +270,43 @@ class Frame:
         raise RematError(f"internal: remat({self.name}) has no recorded forward to replay")
 
 
+def plan_kept(tape, roots, rec: Record | None) -> tuple[list[int], set, set]:
+    """``tape.plan`` with what the policy record ``rec`` keeps (None: nothing); lets go of every kept
+    value the plan does not read (``rec.retain``: no dead copies).  Returns what ``tape.plan`` returns."""
+    if rec is None:
+        return tape.plan(roots)
+    nodes = tape.nodes
+    kept = {id(v) for n in nodes if n is not None and n.key is not None and n.key in rec.entries
+            for v in (*n.outs, *(w for _, w in n.writes)) if v is not None and rec.has(n.key, v.idx)}
+    run, used_kept, used_outside = tape.plan(roots, kept)
+    rec.retain({(nodes[v.node].key, v.idx) for v in used_kept})
+    # kept values an op writes into (h = x @ w; h += b): handed out as copies, or a second backward
+    # would read the first one's writes (every op, not only the planned ones: a re-run of the
+    # function under grad of grad runs them all)
+    kept = {id(v) for v in used_kept}
+    written = [w for n in nodes if n.writes for w in tape.written_values(n)]
+    rec.overwritten = {nodes[b.node].key for b in tape.bases(written) if id(b) in kept}
+    return run, used_kept, used_outside
+
+
+def output_value(tape, t: torch.Tensor):
+    """What the tape knows ``t`` (an output of the region) as: its Value, or the plain
+    tensor itself where the region returned a tensor it did not make or read.  The last
+    write into its storage (through another view of it: ``y[0].sin_()``) is noted in
+    ``tape.out_writes``: a replay runs it too, though no op reads the output after it."""
+    b = unwrap_all(t)
+    w = tape.write_before(b) if tape.reg is not None else None
+    if w is not None:
+        tape.out_writes.append(w)
+    e = tape.reg.get(id(b)) if tape.reg is not None else None
+    if e is not None:
+        v, ref = e
+        if (ref() if v.node >= 0 else ref) is b:
+            return v
+    a = unseen_alias(tape, b) if tape.reg is not None else None
+    return b if a is None else a
+
+
 def finish_tape(frame: Frame, tensors, out, outer, full=None) -> None:
     """After the forward: plan the replay from what autograd saved (JAX's rule: keep the
     saveable values that backward or the replay reads, recompute the rest) and
@@ -279,10 +317,10 @@ def finish_tape(frame: Frame, tensors, out, outer, full=None) -> None:
     # (a saved tensor whose graph node is gone, a dead branch's, needs nothing)
     handles = frame.handles
     roots = [*(v for i, v in frame.values.items() if handles[i]() is not None), *frame.deps]
-    run, used_kept, used_outside = tape.plan_kept(roots, rec)
+    run, used_kept, used_outside = plan_kept(tape, roots, rec)
     every = None
     if full is not None:
-        every = tape.plan([*roots, *full], lambda v: False)
+        every = tape.plan([*roots, *full])
         used_outside = used_outside | every[2]
     frame.run = run
     frame.kept = {id(v) for v in used_kept}

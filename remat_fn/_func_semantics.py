@@ -35,13 +35,12 @@ from collections.abc import Iterator
 import optree
 import torch
 
-from ._autocast import AutocastState
 from ._captures import CaptureMode, Known, first_run_of_nested, swap_side_output, swap_view_of, watched
 from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
 from ._describe import describe
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_outside
-from ._function_steps import plan_steps
+from ._frame import plan_kept
 from ._functorch import (
     carries_grad,
     differentiable,
@@ -57,7 +56,7 @@ from ._functorch import (
 from ._logical import LogicalTape
 from ._offload import FuncInputs
 from ._ops import PrivateWrites, private_copies
-from ._rng_state import RNGSnapshot
+from ._region import AutocastState, RNGSnapshot
 from ._tape import Tape, Value
 from ._torch_internals import disable_hooks as _disable_hooks
 from ._torch_internals import enable_hooks as _enable_hooks
@@ -376,10 +375,10 @@ def plan_rerun(spec, roots, inputs) -> None:
     remat_fn._replay_live) keeps what that replay reads too."""
     tape, rec = spec.tape, spec.rec
     nodes = tape.nodes
-    run, used_kept, used_outside = tape.plan_kept(roots, rec)
+    run, used_kept, used_outside = plan_kept(tape, roots, rec)
     replay = spec.out_values is not None
     if replay:
-        used_outside = used_outside | plan_steps(tape, [*roots, *tape.out_writes, *(v for v in spec.out_values if isinstance(v, Value))])[3]
+        used_outside = used_outside | tape.plan_steps([*roots, *tape.out_writes, *(v for v in spec.out_values if isinstance(v, Value))])[3]
     tape.release(used_outside)
     # The recomputation re-runs the function, which reads the live tensors: the ones
     # the needed ops read must still be what the forward read.  The region's inputs
@@ -469,7 +468,7 @@ class RegionState:
         self.rec = None  # remat_fn._record.Record when a policy is in force
         self.needs: list[bool] = []  # which tensor inputs need a gradient
         self.rev: list[bool] = []  # which of them reverse mode differentiates (see forward)
-        self.trace = CallTrace(where=debug)  # the forward's tensor ops, checked on recompute
+        self.trace: list = []  # the forward's tensor ops (see CallTrace), checked on recompute
         self.views: dict[int, tuple] = {}  # output index -> (input index, size, stride, offset)
         self.autocast = AutocastState()  # re-entered by the recomputation
         self.produced: set[int] | None = None  # see CaptureMode
@@ -567,18 +566,17 @@ class RegionState:
     def _call(self, tensors, known, subst, stores: bool = False, python: bool = False):
         n = self.n_in
         recompute = known is None
-        if recompute:
-            self.trace.rewind()
         args = [tensors[k] for k in self.expand]  # the same object where the caller passed one twice
         if recompute:
             late, first = self.side_late(), self.nested_side
         else:  # (inside a run again of an enclosing region: what this call's first run left)
             late, first = first_run_of_nested()
             self.late_objs = late
-        mode = CaptureMode(subst, known, self.trace, self.name, None if recompute else self.produced,
+        check = CallTrace(self.trace, self.debug) if recompute else None
+        mode = CaptureMode(subst, known, check if recompute else self.trace, self.name, None if recompute else self.produced,
                            inputs=() if recompute else tensors[:n],
                            grab=self.escapes if recompute else None, late=late, first=first)
-        mode.levels = self.levels
+        mode.levels, mode.where = self.levels, self.debug
         mode.tape = None if recompute else self.tape
         # (side outputs no_grad made, see _leaves; in an enclosing region's forward, for its levels)
         mode.every = 0 if recompute else watched(2 if self.vmapped else 1 if self.fwd else 0)
@@ -607,7 +605,7 @@ class RegionState:
             self.aliased = mode.aliased
             self.nested_side = mode.nested
             return outs, rebuild
-        self.trace.finish(self.name)
+        check.finish(self.name)
         if mode.grabbed.keys() != {(c, i) for c, ii in self.escapes.items() for i in ii}:
             raise RecomputeMismatchError(
                 f"Recomputing remat({self.name}) did not produce the tensors that left the forward "

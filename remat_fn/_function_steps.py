@@ -28,10 +28,9 @@ import torch
 
 from ._functorch import forward_mode_active, is_jvp_kind, is_vmap_kind, is_wrapped, live_levels, unwrap_all
 from ._record import recording_tapes
-from ._tape import Value
 from ._torch_internals import any_autocast_enabled, below_transforms, function_class
 
-__all__ = ["FunctionStep", "function_steps", "apply_step", "plan_steps", "invisible", "forward_below"]
+__all__ = ["FunctionStep", "function_steps", "apply_step", "invisible", "forward_below"]
 
 
 class FunctionStep:
@@ -155,29 +154,6 @@ def function_steps(func, args, kwargs):
         if ok:
             tape.spans.append((a, b, FunctionStep(cls, vals, spec, outs, grad, a, b, out, attrs), None))
     return out
-
-
-def _never(v) -> bool:
-    return False
-
-
-def plan_steps(tape, want: list):
-    """``tape.plan(want)`` computing every value, where each custom Function is one step:
-    a Function one of whose nodes runs has its every argument and output computed (its
-    replay applies it whole).  Returns the extended ``want``, ``tape.plan``'s result and
-    the steps that run (``(their nodes that run, step)``)."""
-    run, held, outside = tape.plan(want, _never)
-    if not tape.functions:
-        return want, run, held, outside, []
-    steps = [s[2] for s in tape.spans if type(s[2]) is FunctionStep]
-    while True:
-        have = set(run)
-        fns = [(ks, fn) for fn in steps if (ks := {k for k in range(fn.start, fn.end) if k in have})]
-        more = [x for _, fn in fns for x in (*fn.flat, *fn.outs) if type(x) is Value and x.node >= 0 and x.node not in have]
-        if not more:
-            return want, run, held, outside, fns
-        want = [*want, *more]
-        run, held, outside = tape.plan(want, _never)
 
 
 def invisible(cls, levels: dict | None) -> bool:

@@ -393,7 +393,7 @@ def differentiated_outside_vmaps(levels: dict, eager: bool) -> list[bool]:
     """For each ``vmap`` level among ``levels`` (``level -> kind``, see :func:`live_levels`),
     outermost first: whether a grad level outside it differentiates through it (or eager
     autograd does: ``eager``).  There a custom ``autograd.Function``'s generated vmap rule
-    runs its backward once per example (see ``remat_fn._func_outputs.batched_outputs``)."""
+    runs its backward once per example (see ``remat_fn._func_graph.batched_outputs``)."""
     out, outside = [], eager
     for _, kind in sorted(levels.items(), key=lambda lk: lk[0]):
         if is_vmap_kind(kind):

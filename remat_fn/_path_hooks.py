@@ -22,7 +22,6 @@ import torch
 import torch.autograd.forward_ad as fwad
 
 from ._ambient import AMBIENT
-from ._autocast import AutocastState
 from ._budget import Measuring
 from ._closures import reachable_tensors
 from ._debug import OpTrace, format_traces
@@ -34,8 +33,7 @@ from ._offload import input_offloads, named_inputs, unaliased
 from ._ops import PLAIN, PrivateWrites
 from ._profile import storage_bytes
 from ._record import Record, paused, saving
-from ._region import RegionCall
-from ._rng_state import RNGSnapshot
+from ._region import AutocastState, RegionCall, RNGSnapshot
 from ._tape import Tape
 from ._torch_internals import forward_ad_level, hooks_enabled
 from ._torch_internals import pop_hooks as _pop_hooks

@@ -47,20 +47,23 @@ from ._captures import Known, MissedCapture, nested_in_forward, note_region_inpu
 from ._closures import reachable_tensors
 from ._describe import describe
 from ._errors import RematError
-from ._frame import Frame, finish_tape
+from ._frame import Frame, finish_tape, output_value
 from ._func_graph import (
     KeepHandles,
     Unpack,
+    alias_map,
     alias_output,
+    batched_outputs,
     foreign_functions,
     from_graph,
     note_storage,
     outside_reach,
+    rebuild,
     release_outputs,
+    returned,
     saved_storages,
     unread_inputs,
 )
-from ._func_outputs import alias_map, batched_outputs, rebuild, returned
 from ._func_semantics import (
     ForwardHook,
     NeedsGraph,
@@ -79,7 +82,7 @@ from ._func_semantics import (
     stale_side_outputs,
     undo_forward,
 )
-from ._function_steps import FunctionStep, plan_steps
+from ._function_steps import FunctionStep
 from ._functorch import (
     above_vmaps,
     any_batched,
@@ -106,10 +109,9 @@ from ._functorch import (
 from ._offload import FuncInputs, hint, input_offloads
 from ._profile import storage_bytes
 from ._record import Record, recording_tapes, saving
-from ._region import RegionCall, entered, region_depth
-from ._replay_live import CannotReplay, forward_reached, inputs_reaching, output_value, replay_fn, replay_jvp, replay_vjp
+from ._region import RegionCall, RNGSnapshot, entered, region_depth
+from ._replay_live import CannotReplay, forward_reached, inputs_reaching, replay_fn, replay_jvp, replay_vjp
 from ._rerun import check_again, recompute_fn, rerun_vjp
-from ._rng_state import RNGSnapshot
 from ._tape import Tape, Value
 from ._torch_internals import top_hooks, use_count
 
@@ -281,7 +283,7 @@ class _RematFunction(torch.autograd.Function):
                 if spec.offload is not None:
                     spec.offload.hints = rec.hint_outputs(outs)
                 full = [*(v for v in spec.out_values or () if type(v) is Value), *tape.out_writes]
-                finish_tape(frame, tensors, outs, None, full=plan_steps(tape, full)[0])
+                finish_tape(frame, tensors, outs, None, full=tape.plan_steps(full)[0])
             else:
                 plan_rerun(spec, roots, tensors)
             if isinstance(rec.policy, Measuring) and frame is None:  # memory_budget's first call
@@ -310,7 +312,7 @@ class _RematFunction(torch.autograd.Function):
             spec.rec.seal(outs)
         spec.views = alias_map(outs, tensors, spec.diff)
         outs = returned(outs, tensors)
-        if any(spec.widen):  # (torch's generated vmap rule: see remat_fn._func_outputs)
+        if any(spec.widen):  # (torch's generated vmap rule: see remat_fn._func_graph)
             outs = batched_outputs(outs, tensors, spec.diff, spec.widen, spec.views)
         spec.out_box.append(rebuild)
         spec.out_meta = [out_meta(o) for o in outs]

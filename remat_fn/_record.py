@@ -81,8 +81,8 @@ class Record:
         # of freed tensors are reused, so a hit counts only while the ref is live
         self.producer: dict[int, tuple] = {}
         self.written_at: dict[int, int] = {}  # storage -> place in seq of the last op that wrote into it
-        self.offloader = offloader or Offloader()
-        self.ctx = PolicyContext()
+        self._offloader = offloader  # (made on first use: most regions offload nothing)
+        self.ctx = PolicyContext() if policy is not None else None  # (asked only where there is a policy)
         self.seq: list = []  # every op of the forward, in order
         self.stash = None  # (packed entries, unpack) when stored through outer hooks
         self.paused = 0  # > 0 while a recomputation runs inside the forward
@@ -91,12 +91,18 @@ class Record:
         self.pending: dict[int, list] = {}  # storage -> [(op key, index)] of offloads not copied yet
         self.offload_ops: dict[tuple, tuple] = {}  # op key -> (op, meta args) of ops decided "offload"
         self.seq_nodes: list[int] = []  # per op of ``seq``: its node on the region's tape
-        self.overwritten: set = set()  # keys of kept outputs the replay writes into (see Tape.plan_kept)
+        self.overwritten: set = set()  # keys of kept outputs the replay writes into (see plan_kept)
         # storage -> keys of the entries holding a tensor on it, during the forward: a write
         # looks only at those (see before_mutation; a region stays linear in its length)
         self.by_storage: dict[int, set] = {}
         # on_input(base, Offload): checkpoint_name named a region argument the policy offloads
         self.on_input = None  # (set by the path: remat_fn._offload.named_inputs, FuncInputs.listen)
+
+    @property
+    def offloader(self) -> Offloader:
+        if self._offloader is None:
+            self._offloader = Offloader()
+        return self._offloader
 
     def _index(self, key, tensors) -> None:
         for t in tensors:
@@ -396,7 +402,8 @@ class Record:
                     "modifying it (y = y.clone()), or apply the in-place update after the backward pass.")
 
     def prefetch(self) -> None:
-        self.offloader.begin(recompute=True)
+        if self._offloader is not None:
+            self._offloader.begin(recompute=True)
 
     @contextlib.contextmanager
     def replaying(self):

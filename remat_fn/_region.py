@@ -13,6 +13,32 @@ them splits or flattens arguments again.
 Flattening is lazy: the saved-tensor-hooks path calls the function on the
 original arguments and flattens only when it needs the tensors (accelerator
 RNG devices, a ``memory_budget`` plan), so a plain eager call pays for none.
+
+The state a call ran under that a recomputation re-enters is here too, for both paths:
+the global generators' states (:class:`RNGSnapshot`, ``preserve_rng_state=True``) and
+the autocast state and default device (:class:`AutocastState`).
+
+RNG: the region's forward draws from torch's global generators (CPU, plus one per
+accelerator device).  To recompute bitwise-identically their states are snapshotted
+before the forward and restored around the recomputation, the caller's current states
+put back afterwards.  A snapshot the forward did not advance is dropped at the end of
+the forward (:meth:`RNGSnapshot.finish`), so a region that draws no random numbers keeps
+no state and its recomputation touches no generator.  Accelerator states go through
+:func:`torch.get_device_module`, so CUDA (and any backend with the same
+``get_rng_state``/``set_rng_state`` API) is covered; only the CPU path is exercised on
+this project's CI machines.
+
+Autocast: like ``torch.utils.checkpoint`` (``_get_autocast_kwargs``), a region records at
+forward whether autocast is enabled, its dtype for every device type that has autocast
+(CPU, CUDA and the current accelerator), and the cache flag; the recomputation runs
+under exactly that state, whatever the state is when backward runs (usually outside any
+``torch.autocast`` block): without this a region called under
+``torch.autocast("cpu", dtype=torch.bfloat16)`` recomputes in float32.  The state is set
+with torch's own setters, as ``torch.autocast.__enter__`` does, so the same code path
+serves every device type; on a machine without CUDA the CUDA flags are still recorded
+and restored.  The default device of a ``with torch.device(...)`` block is recorded and
+re-entered the same way, so tensors the function creates without a device land where
+they did in the forward.
 """
 
 from __future__ import annotations
@@ -20,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import optree
@@ -29,10 +55,10 @@ import torch
 from ._ambient import AMBIENT, SWITCHES
 from ._budget import BudgetPlanner
 from ._pytree import flatten_output
-from ._rng_state import devices_of
 from .policies import memory_budget, normalize_policy
 
-__all__ = ["Options", "RegionCall", "as_caller", "entered", "region_depth", "name_of"]
+__all__ = ["Options", "RegionCall", "as_caller", "entered", "region_depth", "name_of", "RNGSnapshot", "AutocastState",
+           "devices_of"]
 
 _accelerator: list[bool] = []
 # region functions (the very objects) that called a torch.func transform, which refuses the
@@ -322,3 +348,143 @@ def entered() -> _Entered:
     whole nested call as opaque (it may run plainly in one run and as a custom
     ``autograd.Function`` in the other)."""
     return _ENTERED
+
+
+# -- the state a recomputation re-enters: RNG ------------------------------------
+def devices_of(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
+    """Return the distinct non-CPU devices among ``tensors``."""
+    seen: list[torch.device] = []
+    for t in tensors:
+        d = t.device
+        if d.type not in ("cpu", "meta") and d not in seen:
+            seen.append(d)
+    return seen
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a, b)  # byte tensors: no numpy needed (a runtime dependency we avoid)
+
+
+def _device_state_api(device: torch.device):
+    try:
+        mod = torch.get_device_module(device.type)
+    except (RuntimeError, AttributeError):  # pragma: no cover - exotic backends
+        return None
+    if not (hasattr(mod, "get_rng_state") and hasattr(mod, "set_rng_state")):
+        return None  # pragma: no cover
+    return mod
+
+
+class RNGSnapshot:
+    """States of the CPU generator and of the given devices' generators."""
+
+    __slots__ = ("cpu", "devices", "_saved_cpu", "_saved_dev")
+
+    def __init__(self, devices: list[torch.device]):
+        self.cpu: torch.Tensor | None = torch.get_rng_state()
+        self.devices: list[tuple[torch.device, torch.Tensor]] = []
+        for d in devices:
+            mod = _device_state_api(d)
+            if mod is not None:  # pragma: no cover - needs an accelerator
+                self.devices.append((d, mod.get_rng_state(d)))
+
+    def finish(self) -> bool:
+        """Drop states the forward did not advance; return True if any remain."""
+        if self.cpu is not None:
+            now = torch.get_rng_state()
+            if _same(now, self.cpu):
+                self.cpu = None
+        kept = []
+        for d, s in self.devices:  # pragma: no cover - needs an accelerator
+            now = _device_state_api(d).get_rng_state(d)
+            if not torch.equal(now, s):
+                kept.append((d, s))
+        self.devices = kept
+        return self.cpu is not None or bool(self.devices)
+
+    def restore_now(self) -> None:
+        """Set the generators back to the snapshot (used to retry a forward)."""
+        if self.cpu is not None:
+            torch.set_rng_state(self.cpu)
+        for d, s in self.devices:  # pragma: no cover - needs an accelerator
+            _device_state_api(d).set_rng_state(s, d)
+
+    def __enter__(self) -> RNGSnapshot:
+        """Install the snapshot, remembering the caller's states."""
+        self._saved_cpu = torch.get_rng_state() if self.cpu is not None else None
+        self._saved_dev = []
+        for d, s in self.devices:  # pragma: no cover - needs an accelerator
+            mod = _device_state_api(d)
+            self._saved_dev.append((mod, d, mod.get_rng_state(d)))
+            mod.set_rng_state(s, d)
+        if self.cpu is not None:
+            torch.set_rng_state(self.cpu)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._saved_cpu is not None:
+            torch.set_rng_state(self._saved_cpu)
+        for mod, d, s in self._saved_dev:  # pragma: no cover - needs an accelerator
+            mod.set_rng_state(s, d)
+        self._saved_cpu = None
+        self._saved_dev = []
+
+
+# -- autocast and the default device ---------------------------------------------
+def _device_types() -> tuple[str, ...]:
+    types = ["cpu", "cuda"]
+    try:
+        acc = torch.accelerator.current_accelerator()
+        if acc is not None and acc.type not in types:
+            types.append(acc.type)
+    except Exception:  # pragma: no cover - builds without torch.accelerator
+        pass
+    return tuple(t for t in types if torch.amp.is_autocast_available(t))
+
+
+_TYPES = _device_types()
+
+
+class AutocastState:
+    """A snapshot of the autocast flags; ``with state:`` runs under it."""
+
+    __slots__ = ("flags", "cache", "device", "_saved")
+
+    def __init__(self) -> None:
+        self.flags = tuple(
+            (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in _TYPES
+        )
+        self.cache = torch.is_autocast_cache_enabled()
+        self.device = torch.get_default_device()
+        self._saved: list = []
+
+    def _autocast_same(self, other: AutocastState) -> bool:
+        return self.flags == other.flags and self.cache == other.cache
+
+    def _set(self) -> None:
+        for t, enabled, dtype in self.flags:
+            torch.set_autocast_enabled(t, enabled)
+            torch.set_autocast_dtype(t, dtype)
+        torch.set_autocast_cache_enabled(self.cache)
+
+    def __enter__(self) -> AutocastState:
+        now = AutocastState()
+        autocast = not self._autocast_same(now)
+        device = torch.device(self.device) if self.device != now.device else None
+        if autocast:
+            torch.autocast_increment_nesting()
+            self._set()
+        if device is not None:
+            device.__enter__()
+        self._saved.append((now if autocast else None, device))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        now, device = self._saved.pop()
+        if device is not None:
+            device.__exit__(*exc)
+        if now is None:
+            return
+        now._set()
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()

@@ -39,14 +39,13 @@ import contextlib
 import torch
 
 from ._func_semantics import replace_at
-from ._function_steps import FunctionStep, apply_step, plan_steps
+from ._function_steps import FunctionStep, apply_step
 from ._functorch import from_physical, is_vmap_kind, live_levels, peel_vmaps, sum_levels, to_physical, unwrap_all, vmap_sizes
 from ._ops import ALIASING, DETACH, arg_meta, no_autocast, reenter, run_recorded
 from ._tape import Value
 from ._torch_internals import DisableFuncTorch, TorchDispatchMode, below_level, below_transforms
-from ._unseen import unseen_alias
 
-__all__ = ["CannotReplay", "replay_outputs", "replay_fn", "replay_jvp", "output_value", "forward_reached", "inputs_reaching",
+__all__ = ["CannotReplay", "replay_outputs", "replay_fn", "replay_jvp", "forward_reached", "inputs_reaching",
            "INDEPENDENT"]
 
 _NULL = contextlib.nullcontext()
@@ -121,24 +120,6 @@ def _through_transforms(tape, run, inputs: set, fns: list) -> tuple[set, set]:
         if nodes[k].rng is not None:
             raise CannotReplay(f"{nodes[k].func} draws random numbers into values that depend on the inputs")
     return top, live
-
-
-def output_value(tape, t: torch.Tensor):
-    """What the tape knows ``t`` (an output of the region) as: its Value, or the plain
-    tensor itself where the region returned a tensor it did not make or read.  The last
-    write into its storage (through another view of it: ``y[0].sin_()``) is noted in
-    ``tape.out_writes``: a replay runs it too, though no op reads the output after it."""
-    b = unwrap_all(t)
-    w = tape.write_before(b) if tape.reg is not None else None
-    if w is not None:
-        tape.out_writes.append(w)
-    e = tape.reg.get(id(b)) if tape.reg is not None else None
-    if e is not None:
-        v, ref = e
-        if (ref() if v.node >= 0 else ref) is b:
-            return v
-    a = unseen_alias(tape, b) if tape.reg is not None else None
-    return b if a is None else a
 
 
 def forward_reached(tape, outs, bases: set, grad_only: bool = False) -> list[bool]:
@@ -326,7 +307,7 @@ def _not_an_input(v):  # pragma: no cover - _steps makes every value from before
 
 
 def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None, region=None) -> list:
-    """The region's outputs (``outs``: see output_value) computed by replaying the tape on
+    """The region's outputs (``outs``: see remat_fn._frame.output_value) computed by replaying the tape on
     the tensors ``subst`` gives for the forward's plain ones (``id`` -> tensor); ``rec``:
     the policy's record, whose kept values stand in for their ops' results; ``region(fun,
     name, opts, args)``: runs ``fun`` as a region (the regions nested in this one, see
@@ -334,7 +315,7 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None, region=No
     roots = [v for v in outs if type(v) is Value]
     want = [*roots, *tape.out_writes]
     # (a custom Function replays as one step: its every argument and output is computed)
-    _, run, held, outside, fns = plan_steps(tape, want)
+    _, run, held, outside, fns = tape.plan_steps(want)
     nodes = tape.nodes
     # (a value of a storage the region writes, a BatchNorm's running statistics, is read from
     # a private copy, as the plain replay reads it: a constant, never the caller's tensor)

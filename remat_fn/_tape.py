@@ -162,7 +162,7 @@ class Tape:
         # (start, end, options, name) of each region nested in this one: its nodes are tape[start:end]
         # (a replay runs them as a region of their own, see _replay_live)
         self.spans: list[tuple] = []
-        self.out_writes: list = []  # the last write into each output's storage (see _replay_live.output_value)
+        self.out_writes: list = []  # the last write into each output's storage (see _frame.output_value)
         self.made: set[int] = set()  # storages the region's ops allocated (see remat_fn._unseen)
         self.functions: dict = {}  # custom autograd.Function class -> every call a step of its own (see _replay_live)
 
@@ -400,29 +400,6 @@ class Tape:
                     self.writes_to.setdefault(p, []).append((k, v))
 
     # -- plan ----------------------------------------------------------------
-    def kept_by(self, rec):
-        """The plan's ``kept`` predicate for the policy record ``rec`` (None: nothing kept)."""
-        nodes = self.nodes
-        if rec is None:
-            return lambda v: False
-        return lambda v: nodes[v.node].key is not None and rec.has(nodes[v.node].key, v.idx)
-
-    def plan_kept(self, roots, rec) -> tuple[list[int], set, set]:
-        """:meth:`plan` with what the policy record ``rec`` keeps; lets go of every kept
-        value the plan does not read (``rec.retain``: no dead copies).  Returns what
-        :meth:`plan` returns."""
-        run, used_kept, used_outside = self.plan(roots, self.kept_by(rec))
-        if rec is not None:
-            nodes = self.nodes
-            rec.retain({(nodes[v.node].key, v.idx) for v in used_kept})
-            # kept values an op writes into (h = x @ w; h += b): handed out as copies, or a
-            # second backward would read the first one's writes (every op, not only the
-            # planned ones: a re-run of the function under grad of grad runs them all)
-            kept = {id(v) for v in used_kept}
-            written = [w for n in nodes if n.writes for w in self.written_values(n)]
-            rec.overwritten = {nodes[b.node].key for b in self._bases(written) if id(b) in kept}
-        return run, used_kept, used_outside
-
     def written_values(self, n: Node) -> list:
         """The Values of the arguments node ``n`` writes (all its tensor arguments when
         they were recorded flattened)."""
@@ -430,7 +407,7 @@ class Tape:
             return [n.flat[i] for i, _ in op_info(n.func)[0] if i < len(n.flat) and type(n.flat[i]) is Value]
         return [x for x in n.flat if type(x) is Value]
 
-    def _bases(self, values) -> list:
+    def bases(self, values) -> list:
         """The ``values`` and the region values they alias: through views, and through writes
         (the result of an in-place op is its target).  One walk for all of them (a value
         written N times is a chain of N: walked once, not once per write)."""
@@ -448,10 +425,10 @@ class Tape:
                 todo.extend(self.written_values(n))
         return out
 
-    def plan(self, roots, kept) -> tuple[list[int], set, set]:
+    def plan(self, roots, kept: set | None = None) -> tuple[list[int], set, set]:
         """Walk back from ``roots`` (the Values backward needs).
 
-        ``kept(value)`` tells whether the policy keeps a value.  Returns the nodes to
+        ``kept``: the ids of the Values the policy keeps.  Returns the nodes to
         replay (in order), the kept Values they or backward read, and the outside
         Values they read.
         """
@@ -475,7 +452,7 @@ class Tape:
                 used_outside.add(v)
                 continue
             # (a held op's outputs are read as held; a write of one is replayed: see run_recorded)
-            if (v.idx >= 0 and nodes[v.node].held is not None) or kept(v):
+            if (v.idx >= 0 and nodes[v.node].held is not None) or (kept and id(v) in kept):
                 used_kept.add(v)
                 continue
             if v.node in run:
@@ -483,6 +460,24 @@ class Tape:
             run.add(v.node)
             todo.extend(nodes[v.node].reads)
         return sorted(run), used_kept, used_outside
+
+    def plan_steps(self, want: list):
+        """:meth:`plan` computing every value, where each custom Function is one step (its span
+        ``(start, end, FunctionStep, None)``, see remat_fn._function_steps): a Function one of whose
+        nodes runs has its every argument and output computed (its replay applies it whole).  Returns
+        the extended ``want``, :meth:`plan`'s result and the steps that run (``(their nodes that run, step)``)."""
+        run, held, outside = self.plan(want)
+        if not self.functions:
+            return want, run, held, outside, []
+        steps = [s[2] for s in self.spans if s[3] is None]
+        while True:
+            have = set(run)
+            fns = [(ks, fn) for fn in steps if (ks := {k for k in range(fn.start, fn.end) if k in have})]
+            more = [x for _, fn in fns for x in (*fn.flat, *fn.outs) if type(x) is Value and x.node >= 0 and x.node not in have]
+            if not more:
+                return want, run, held, outside, fns
+            want = [*want, *more]
+            run, held, outside = self.plan(want)
 
     def release(self, used_outside) -> None:
         """After planning: hold only what the replay reads."""

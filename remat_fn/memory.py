@@ -45,14 +45,14 @@ __all__ = ["LiveBytes", "MiB", "return_freed_memory_to_os", "offload_pool_stats"
 MiB = 1 << 20
 
 
-_COUNTERS: weakref.WeakSet = weakref.WeakSet()  # every meter's counter still referenced
+COUNTERS: weakref.WeakSet = weakref.WeakSet()  # every meter's counter still referenced (empty: nothing meters)
 
 
 def storage_released(t: torch.Tensor) -> None:
     """``t`` (a tensor some meter counted) was re-pointed at a storage of its own by
     remat_fn (``set_``, which no dispatch mode sees): it no longer holds the storage it
     was counted with."""
-    for c in list(_COUNTERS):
+    for c in list(COUNTERS):
         entry = c.fins.pop(id(t), None)
         if entry is not None:
             fin, key = entry
@@ -69,7 +69,7 @@ class _Counter:
         self.refs: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
         self.fins: dict[int, tuple] = {}  # id of a counted live tensor -> (its finalizer, storage)
-        _COUNTERS.add(self)
+        COUNTERS.add(self)
 
     def add(self, t: torch.Tensor, new: bool = True) -> None:
         try:

@@ -15,7 +15,7 @@ from torch.func import grad, vmap
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from remat_fn import policies, remat
-from remat_fn._autocast import AutocastState
+from remat_fn._region import AutocastState
 from remat_fn.compat import checkpoint
 
 from ._util import assert_tree_close

@@ -7,7 +7,7 @@ import torch
 from torch.func import grad, vmap
 
 from remat_fn import RematError, remat
-from remat_fn._rng_state import RNGSnapshot
+from remat_fn._region import RNGSnapshot
 from remat_fn.policies import dots_saveable, everything_saveable, memory_budget
 
 from ._util import assert_tree_close, plain_and_remat

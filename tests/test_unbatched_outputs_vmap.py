@@ -10,7 +10,7 @@ term of ``w``'s gradient was B times too large (11.3 off here), under ``grad``, 
 and ``jacrev`` of a ``vmap`` and eager autograd around one, while ``vmap(grad)`` was
 exact.  The Function now returns such outputs batched (an expanded view) where something
 outside the ``vmap`` differentiates, so their cotangents arrive per example
-(``remat_fn/_func_outputs.py``, ``batched_outputs``).  Each case is compared with the
+(``remat_fn/_func_graph.py``, ``batched_outputs``).  Each case is compared with the
 plain function (the region replaced by the identity).
 """
 

@@ -3,7 +3,7 @@
 A region returning ``(t, t[0])`` hands the caller two tensors on one memory; plain code's
 ``t[0]`` is a view of ``t``, so ``a.mul_(3)`` after the region changes ``b`` *and its
 gradient*.  The Function's outputs are rebuilt as views of each other after it
-(``remat_fn/_func_outputs.py``), but under ``vmap`` (wrapped tensors) they were not: ``b``
+(``remat_fn/_func_graph.py``), but under ``vmap`` (wrapped tensors) they were not: ``b``
 kept the value written through ``a`` and lost the write's gradient (``d b / d x[0]`` was 1
 where plain gives 3; the loss below was 5.5 off under ``vmap(grad)``).  Each case is
 compared with the plain function (the region replaced by the identity) under every
