@@ -177,3 +177,51 @@ def test_a_missing_internal_names_the_torch_version_and_the_fix():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "remat_fn needs torch._C._autograd._top_saved_tensors_default_hooks" in out.stdout, out.stderr
     assert torch.__version__ in out.stdout and "pip install 'torch>=" in out.stdout
+
+
+# modules that answer questions about torch objects and hold no region's state: they import only each other
+_HELPERS = {"_torch_internals", "_functorch", "_ops", "_pytree", "_describe", "_capture_ops", "_ambient", "_errors"}
+
+_ENTERED = r"""
+import collections, sys, torch
+from torch.func import grad
+import remat_fn
+w = torch.randn(8, 8)
+f = remat_fn.remat(lambda x: torch.tanh(x @ w).sin())
+x = torch.randn(4, 8)
+xg = x.clone().requires_grad_()
+runs = {"eager": lambda: f(xg).sum().backward(), "grad": lambda: grad(lambda x: f(x).sum())(x)}
+for name, run in runs.items():
+    run()  # (first calls load and cache)
+    edges = collections.defaultdict(set)
+    def prof(frame, event, arg):
+        if event == "call" and (mod := frame.f_globals.get("__name__", "")).startswith("remat_fn."):
+            caller = frame.f_back
+            while caller is not None and not caller.f_globals.get("__name__", "").startswith(("remat_fn.", "__main__")):
+                caller = caller.f_back
+            edges[caller.f_globals["__name__"] if caller is not None else ""].add(mod)
+    sys.setprofile(prof)
+    run()
+    sys.setprofile(None)
+    mods = sorted({m.split(".")[1] for ms in edges.values() for m in ms})
+    both = sorted((a, b) for a in edges for b in edges[a] if a in edges.get(b, ()) and a < b)
+    print(name, " ".join(mods), "|", both)
+"""
+
+
+def test_one_call_enters_few_modules_and_none_call_each_other_both_ways():
+    """An eager call + backward enters at most 6 of the package's modules besides the helpers, a
+    ``torch.func.grad`` call at most 10 (24 of all before the region lifecycle's state joined
+    ``_region`` and the policy record's plan left the tape); no two call each other both ways."""
+    for m, tree in _modules().items():
+        if m in _HELPERS:
+            deps = {dep for dep, _, _ in _own_imports(tree)} - {m}
+            assert deps <= _HELPERS, f"the helper {m} imports {deps - _HELPERS}"
+    out = subprocess.run([sys.executable, "-c", _ENTERED], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
+    for name, most in (("eager", 6), ("grad", 10)):
+        mods, both = lines[name].split(" | ")
+        own = [m for m in mods.split() if m not in _HELPERS]
+        assert len(own) <= most, f"{name}: {len(own)} modules: {own}"
+        assert both == "[]", f"{name}: modules calling each other both ways: {both}"
