@@ -72,7 +72,7 @@ from .memory import COUNTERS, storage_released
 
 __all__ = ["KeepHandles", "Unpack", "alias_output", "release_outputs", "from_graph", "note_storage",
            "saved_storages", "outside_reach", "foreign_functions", "unread_inputs", "alias_map", "rebuild", "returned",
-           "batched_outputs"]
+           "batched_outputs", "distinct_objects", "input_places"]
 
 
 _NULL = contextlib.nullcontext()
@@ -391,10 +391,13 @@ def _alike(base: torch.Tensor, t: torch.Tensor) -> bool:
         and base.is_conj() == t.is_conj() and base.is_neg() == t.is_neg()
 
 
-def alias_map(outs, tensors, diff) -> dict[int, tuple]:
+def alias_map(outs, tensors, diff, own: dict | None = None) -> dict[int, tuple]:
     """``{i: (kind, j, size, stride, offset)}``: output ``i`` is a view of input ``j``
     (``kind == "in"``) or of output ``j`` (``"out"``).  ``diff``: which outputs are
-    differentiable (a view of another output is rebuilt only where both agree)."""
+    differentiable (a view of another output is rebuilt only where both agree).  ``own``:
+    ``{i: j}``, output ``i`` is input ``j`` or a view of it (:func:`input_places`), where other
+    inputs share its memory."""
+    own = own or {}
     found: dict[int, tuple] = {}
     storages: dict[int, list[int]] = {}
     for j, t in enumerate(tensors):
@@ -410,7 +413,10 @@ def alias_map(outs, tensors, diff) -> dict[int, tuple]:
             continue
         # (the input it is a view of: one that covers it, not the first on its storage: w[1] of
         # arguments w[0], w[1] is no view of w[0], whose gradient it would take)
-        j = next((j for j in storages.get(p, ()) if _covers(tensors[j], o)), None)
+        eligible = storages.get(p, ())
+        j = own.get(i)
+        if j not in eligible or not _covers(tensors[j], o):
+            j = next((j for j in eligible if _covers(tensors[j], o)), None)
         if j is not None:
             found[i] = ("in", j, tuple(o.shape), o.stride(), o.storage_offset())
         else:
@@ -514,3 +520,44 @@ def _batched_at(t: torch.Tensor, levels: list) -> torch.Tensor:
     if not widen:
         return below
     return C._add_batch_dim(below.expand(size, *below.shape), 0, level)
+
+
+
+def distinct_objects(closed: list, inputs: list) -> list:
+    """The tensors the region closes over as the Function gets them (``closed``), each an object of its own
+    below every wrapper.  A weight closed over and the argument a transform made of it (``grad(f)(u)``, ``f``
+    closing over ``u`` that an outer level or eager autograd differentiates) reach the Function as one tensor
+    once unwrapped, at the transform's level and below: the tape read both as that tensor, so a replay took
+    the closed-over one for the argument (``u * w`` differentiated as ``w * w``: 0.90 off under ``grad`` of
+    ``grad`` and eager autograd around ``grad``), and one returned as is became the argument (67.9 off).  Such
+    a tensor is handed over as a view of itself, made at the caller's levels (an op of an enclosing region)."""
+    bottoms = {id(unwrap_all(t)) for t in inputs}
+    out = list(closed)
+    for j, t in enumerate(closed):
+        b = id(unwrap_all(t))
+        if b in bottoms:
+            out[j] = t.view_as(t)
+        bottoms.add(b)
+    return out
+
+
+def input_places(tape, outs, tensors) -> dict[int, int]:
+    """``{i: j}``: the function's output ``i`` (``outs``, the forward level's) is the Function's input ``j``
+    (``tensors``), or a view of it through the ops the tape recorded (views of inputs over one memory are
+    told apart by what the function made them from, not by the memory: see :func:`distinct_objects`)."""
+    place = {id(t): j for j, t in enumerate(tensors)}
+    found = {}
+    for i, t in enumerate(outs):
+        if not isinstance(t, torch.Tensor):
+            continue
+        b = unwrap_all(t)
+        j = place.get(id(b))
+        v = tape.value_of(b) if j is None and tape is not None else None
+        while v is not None and v.node >= 0:
+            n = tape.nodes[v.node]
+            v = n.reads[0] if n.func.is_view and n.reads else None
+        if v is not None:
+            j = place.get(id(v.t))
+        if j is not None:
+            found[i] = j
+    return found

@@ -54,8 +54,10 @@ from ._func_graph import (
     alias_map,
     alias_output,
     batched_outputs,
+    distinct_objects,
     foreign_functions,
     from_graph,
+    input_places,
     note_storage,
     outside_reach,
     rebuild,
@@ -131,6 +133,8 @@ class _RematFunction(torch.autograd.Function):
     def forward(spec: RegionState, *tensors: torch.Tensor):
         known = Known(tensors)
         wrt = [i for i, n in enumerate(spec.needs) if n]
+        returned_ids: set[int] = set()  # (the tensors the function returned, below their wrappers)
+        own: dict[int, int] = {}  # (output place -> the input it is, or a view of: see alias_map)
         if wrt:
             # (under forward mode the vjp level takes the inputs reverse mode differentiates, where there are
             # any: a tensor only a jvp level wraps gets its tangent from the replay; see also untracked_stats)
@@ -150,7 +154,6 @@ class _RematFunction(torch.autograd.Function):
             measure = spec.rec.policy is not None or spec.prof is not None  # what autograd would save
             tape = spec.tape
             roots: list = []
-            returned_ids: set[int] = set()  # (the tensors the function returned, below their wrappers)
             noted: dict[int, int] = {}
             frame = spec.frame
             hooks = None
@@ -178,6 +181,7 @@ class _RematFunction(torch.autograd.Function):
                 pos, refs = [list(x) for x in zip(*[c for c in cands if c[1]() is not None])] or ([], [])
                 o = o + tuple(r() for r in refs)
                 returned_ids.update(id(unwrap_all(t)) for t in o if isinstance(t, torch.Tensor))
+                own.update(input_places(tape, o, tensors))
                 # (see _replay_live; draws under vmap: a replay of the batched ops draws them as they were)
                 if (frame is not None or spec.replay) and not spec.aliased and (frame is None or spec.batched or not draws_in_vmap(spec, tape)):
                     spec.out_values = [output_value(tape, t) for t in o]
@@ -310,7 +314,7 @@ class _RematFunction(torch.autograd.Function):
                 spec.offload.hints = spec.rec.hint_outputs(outs)
             spec.rec.producer = {}
             spec.rec.seal(outs)
-        spec.views = alias_map(outs, tensors, spec.diff)
+        spec.views = alias_map(outs, tensors, spec.diff, own)
         outs = returned(outs, tensors)
         if any(spec.widen):  # (torch's generated vmap rule: see remat_fn._func_graph)
             outs = batched_outputs(outs, tensors, spec.diff, spec.widen, spec.views)
@@ -506,7 +510,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             )
         spec = RegionState(call.run, len(inputs), captured, name, debug, reach, expand)
         spec.given_ids = [id(t) for t in inputs]
-        closed = [unwrap_if_dead(t) for t in substituted(captured)]  # (what the Function gets; the function reads ``captured``)
+        # (what the Function gets; the function reads ``captured``)
+        closed = distinct_objects([unwrap_if_dead(t) for t in substituted(captured)], inputs)
         spec.produced, spec.keep_graph, spec.levels = produced, keep_graph, levels
         spec.relocate = relocate or keep_graph  # (see RegionState.call)
         spec.aliases = [(id(t), k) for k, t in enumerate(given) if id(t) in reach.tensors]
