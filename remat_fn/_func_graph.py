@@ -530,7 +530,10 @@ def distinct_objects(closed: list, inputs: list) -> list:
     once unwrapped, at the transform's level and below: the tape read both as that tensor, so a replay took
     the closed-over one for the argument (``u * w`` differentiated as ``w * w``: 0.90 off under ``grad`` of
     ``grad`` and eager autograd around ``grad``), and one returned as is became the argument (67.9 off).  Such
-    a tensor is handed over as a view of itself, made at the caller's levels (an op of an enclosing region)."""
+    a tensor is handed over as a view of itself, made at the caller's levels (an op of an enclosing region).
+    Not under forward mode (the caller's choice): there, with a region nested in this one closing over the
+    tensor too, the gradient and its tangent came out doubled (``jvp`` of ``grad``; found by a hostile pass,
+    cause not found); ``jvp``, ``jacfwd`` and ``hessian`` of ``grad`` measure exact without it."""
     bottoms = {id(unwrap_all(t)) for t in inputs}
     out = list(closed)
     for j, t in enumerate(closed):

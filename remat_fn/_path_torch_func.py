@@ -511,7 +511,9 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         spec = RegionState(call.run, len(inputs), captured, name, debug, reach, expand)
         spec.given_ids = [id(t) for t in inputs]
         # (what the Function gets; the function reads ``captured``)
-        closed = distinct_objects([unwrap_if_dead(t) for t in substituted(captured)], inputs)
+        closed = [unwrap_if_dead(t) for t in substituted(captured)]
+        if not forward_mode_active():  # (under forward mode, with a region nested in this one: its tangent twice, open)
+            closed = distinct_objects(closed, inputs)
         spec.produced, spec.keep_graph, spec.levels = produced, keep_graph, levels
         spec.relocate = relocate or keep_graph  # (see RegionState.call)
         spec.aliases = [(id(t), k) for k, t in enumerate(given) if id(t) in reach.tensors]
@@ -527,7 +529,9 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         spec.batched = any(any_batched(t) for t in (*inputs, *closed))
         if spec.batched:
             spec.apart = apart_inputs(levels, (*inputs, *closed))
-            spec.logical = above_vmaps(levels, (*inputs, *closed)) or None  # (its torch calls recorded: remat_fn._logical)
+            # (its torch calls recorded, remat_fn._logical: a level above a vmap differentiates the backward, or a vmap
+            # outside the grad level keeps apart the examples' gradients of an input it does not batch, see replay_vjp)
+            spec.logical = above_vmaps(levels, (*inputs, *closed)) or (spec.apart is not None and not all(spec.apart)) or None
         spec.check = call.strict  # (a run again in backward checks the function; the gradient comes from the forward)
         rerun = (keep_graph and policy is not None) or (spec.offload is not None and spec.offload.rerun)
         if rerun or keep_graph or nested or (spec.batched and not vmaps_outermost(levels)):  # (nested: replays its recorded forward)

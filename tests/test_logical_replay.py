@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, hessian, jvp, vmap
+from torch.func import functional_call, grad, hessian, jacrev, jvp, vjp, vmap
 
-from remat_fn import remat
+from remat_fn import RematError, remat
 
 from ._util import assert_tree_close, ident, square_function
 
@@ -126,6 +126,16 @@ _COMPOSITIONS = {
     "vmap_grad_grad": lambda fn: vmap(lambda x: grad(lambda w: grad(_scalar(fn))(w, x).sin().sum())(_W), randomness="same")(_XS),
     "vmap_jvp_grad": lambda fn: vmap(lambda x: jvp(lambda w: grad(_scalar(fn))(w, x), (_W,), (torch.ones_like(_W),)),
                                      randomness="same")(_XS),
+    # a vmap outside the grad level keeping apart the examples' gradients of a weight it does not batch, where the
+    # forward level's graph does not serve: jacrev's vmap over the cotangents, a vjp_fn under the vmap, a vmap
+    # inside the grad level, eager autograd able to differentiate the per-sample gradients (the weight requires
+    # grad: functional_call over a module's own parameters); the function ran again there
+    "vmap_jacrev": lambda fn: vmap(jacrev(_scalar(fn)), in_dims=(None, 0), randomness="same")(_W, _XS),
+    "vmap_vjp": lambda fn: vmap(lambda x: vjp(lambda w: _scalar(fn)(w, x), _W)[1](torch.ones((), dtype=D)), randomness="same")(_XS),
+    "vmap_grad_vmap": lambda fn: vmap(lambda xs: grad(lambda w: vmap(lambda x: _scalar(fn)(w, x), randomness="same")(xs).sum())(_W),
+                                      randomness="same")(_XS.reshape(3, 2, 2, 5)),
+    "vmap_grad_weight_requires_grad": lambda fn: vmap(grad(_scalar(fn)), in_dims=(None, 0), randomness="same")(
+        _W.clone().requires_grad_(), _XS),
 }
 _KINDS = ["matmul", "python_state", "no_grad_inside", "closure", "views", "detach", "in_place", "dropout", "generator",
           "tuple_results", "python_values", "list_argument", "list_subclass_argument", "caught_error",
@@ -153,11 +163,20 @@ def _run(kind, composition, wrap):
 
 @pytest.mark.parametrize("kind", _KINDS)
 @pytest.mark.parametrize("composition", list(_COMPOSITIONS))
-def test_function_runs_once_above_a_vmap(composition, kind):
+def test_function_runs_once_above_a_vmap(composition, kind, request):
     if kind == "numpy_data" and np is None:
         pytest.skip("numpy is not installed")
     if kind in ("dropout", "generator", "generator_reset_inside") and composition == "vmap_hessian":
         pytest.skip("plain code fails: hessian's own vmaps draw in randomness='error' mode")
+    if kind in ("dropout", "generator", "generator_reset_inside") and composition == "vmap_jacrev":
+        # (the draws replay under jacrev's vmap over the cotangents, randomness 'error': refused by name, as before)
+        with pytest.raises(RematError, match="randomness mode is 'error'"):
+            _run(kind, composition, remat)
+        return
+    if kind == "subclass_made_inside" and composition == "vmap_grad_vmap":
+        request.node.add_marker(pytest.mark.xfail(strict=True, reason="open, silent: a subclass made inside (as_subclass) "
+                                                  "under vmap(grad(vmap)), where the function runs again in backward: 7.6-11 off "
+                                                  "(at 4eca1f6 too)"))
     try:
         want, n_plain, k_plain, gen_plain = _run(kind, composition, ident)
     except RuntimeError as e:
@@ -259,6 +278,43 @@ def test_maml_over_a_module_replays_the_inner_step():
 
         meta = grad(lambda p: vmap(task, in_dims=(None, 0, 0))(p, xs, ys).mean())(params)
         return meta, len(calls)
+
+    want, n_plain = run(ident)
+    got, n_remat = run(remat)
+    assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
+    assert n_remat == n_plain == 2
+
+
+@pytest.mark.parametrize("step", ["per_sample", "penalty", "per_sample_jacobians"])
+def test_per_sample_gradients_of_blocks_whose_parameters_require_grad(step):
+    """Per-sample gradients through ``functional_call`` given the module's own parameters (they require
+    grad, as ``dict(net.named_parameters())`` leaves them): eager autograd may differentiate the per-sample
+    gradients (a gradient penalty), so no forward level's graph serves and each example's gradient of the
+    unbatched weights is kept apart; the function ran again in backward (its Python twice per step, three
+    times with the penalty).  The forward's torch calls replay now."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6)).double() for _ in range(2)]
+    xs = torch.randn(4, 3, 6, dtype=D)
+
+    def run(wrap):
+        calls: list = []
+        ps = [dict(b.named_parameters()) for b in blocks]
+        regions = [wrap(lambda p, h, b=b: (calls.append(1), h + functional_call(b, p, (h,)))[1]) for b in blocks]
+
+        def out(ps, x):
+            h = x
+            for r, p in zip(regions, ps):
+                h = r(p, h)
+            return h
+
+        if step == "per_sample_jacobians":
+            got = vmap(jacrev(lambda ps, x: out(ps, x).sum(0)), in_dims=(None, 0))(ps, xs)
+        else:
+            got = vmap(grad(lambda ps, x: out(ps, x).pow(2).mean()), in_dims=(None, 0))(ps, xs)
+        if step == "penalty":
+            pen = sum(g.pow(2).sum() for d in got for g in d.values())
+            got = torch.autograd.grad(pen, [p for b in blocks for p in b.parameters()])
+        return got, len(calls)
 
     want, n_plain = run(ident)
     got, n_remat = run(remat)

@@ -185,8 +185,10 @@ _CASES = {
         torch.stack([_W, 2 * _W, -_W]), _XB), 1),
     "vmap_of_vmap": (lambda wrap, f: vmap(vmap(grad(lambda w, x: wrap(f)(x, w).pow(2).sum()), in_dims=(None, 0)),
                                           in_dims=(None, 0))(_W, torch.stack([_XB, -_XB])), 1),
+    # (the vjp_fn called after its grad level exited, under the vmap: the forward's torch calls replay,
+    # remat_fn._logical; the function ran again until this)
     "vjp_fn_after_its_level": (lambda wrap, f: vmap(lambda x: vjp(lambda w: wrap(f)(x, w), _W)[1](
-        torch.ones(2, 4, dtype=D))[0])(_XB), 2),
+        torch.ones(2, 4, dtype=D))[0])(_XB), 1),
     # (backward replays the batched ops below the vmap: it ran the function again until this)
     "grad_of_vmap": (lambda wrap, f: grad(lambda w: vmap(lambda x: wrap(f)(x, w).pow(2).sum())(_XB).sum())(_W), 1),
 }
