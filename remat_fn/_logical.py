@@ -19,7 +19,7 @@ It is recorded where the caller asks (``RegionState.logical``, see above_vmaps).
 cannot stand for is not recorded (the run again stays): a region calling a custom
 ``autograd.Function`` or holding a nested region, calling ``torch.func`` itself, reading ``.data``,
 a hook or ``autograd`` inside, a tensor made where no torch function mode sees it, an argument that
-is no tensor, generator, numpy array or immutable value, autocast or inference mode changed inside, the global
+is no tensor, generator, numpy array or number, or immutable value, autocast or inference mode changed inside, the global
 seed set inside, a call that raised.
 """
 
@@ -81,10 +81,16 @@ class _Array:
         return self.data.copy()
 
 
-def _array(x) -> bool:
-    """A numpy array (told without importing numpy, which the library does not depend on)."""
+def _numpy(x) -> str | None:
+    """``"array"`` for a numpy array of numbers (a subclass too), ``"scalar"`` for a numpy number (immutable),
+    else None; told without importing numpy, which the library does not depend on."""
     t = type(x)
-    return t.__name__ == "ndarray" and t.__module__ == "numpy" and x.dtype.kind in "biufc"
+    if t.__module__ != "numpy" and not any(c.__module__ == "numpy" for c in t.__mro__[1:]):
+        return None
+    kind = getattr(getattr(x, "dtype", None), "kind", None)
+    if kind is None or kind not in "biufc":
+        return None
+    return "array" if any(c.__name__ == "ndarray" and c.__module__ == "numpy" for c in t.__mro__) else "scalar"
 
 
 # what a call's argument may be besides tensors and generators: values nothing changes after the call
@@ -176,8 +182,8 @@ class LogicalTape:
                 desc.append(d)
             elif isinstance(x, torch.Generator):
                 desc.append(_Gen(x))
-            elif _array(x):
-                desc.append(_Array(x))
+            elif (np_kind := _numpy(x)) is not None:
+                desc.append(_Array(x) if np_kind == "array" else x)
             elif type(x) in _CONSTANTS or (type(x) is slice and not any(isinstance(v, torch.Tensor) for v in (x.start, x.stop, x.step))):
                 desc.append(x)
             else:  # (an object the function may change after the call, or holding a tensor the tape would not see)

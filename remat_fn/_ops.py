@@ -57,7 +57,7 @@ DETACH = torch.ops.aten.detach.default
 # torch.tensor(data), torch.as_tensor, torch.from_numpy: the tensor over the data (numpy's memory, which writes
 # from numpy change without a version bump) comes from no op; ``lift_fresh`` is the first op to see it
 LIFT_FRESH = torch.ops.aten.lift_fresh.default
-TO_COPY = torch.ops.aten._to_copy.default
+CLONE = torch.ops.aten.clone.default
 # ops whose outputs share their input's memory though their schema says no alias: a write into one writes the input
 ALIASING = tuple(getattr(getattr(torch.ops.aten, n), o) for n, o in (
     ("_unsafe_view", "default"), ("unsafe_split", "Tensor"), ("unsafe_split_with_sizes", "default"), ("unsafe_chunk", "default"))

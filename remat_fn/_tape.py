@@ -43,11 +43,11 @@ import torch
 from ._errors import RematError, mutated_outside
 from ._ops import (
     ALIASING,
+    CLONE,
     DECOMPOSED,
     DETACH,
     LIFT_FRESH,
     SEQ,
-    TO_COPY,
     bookkeeping,
     call_grad_mode,
     copy_before_write,
@@ -231,6 +231,11 @@ class Tape:
         return self.last_write.get(self.key(t)) if self.last_write else None
 
     def before(self, func, key, args, kwargs) -> Node:
+        if func is LIFT_FRESH:
+            # data handed to torch (torch.tensor(array), torch.from_numpy: a tensor no op made, over memory numpy
+            # writes without a version bump): the replay makes a fresh tensor of the data as the forward read it
+            with bookkeeping():
+                func, args = CLONE, (versioned_copy(args[0]),)
         info = op_info(func)
         if simple_args(args, kwargs):  # (most ops: tensors only as positional arguments)
             flat, spec = list(args), None
@@ -256,8 +261,6 @@ class Tape:
                     w = last.get(v.ptr if v.node < 0 else self.key(x))
                     if w is not None:
                         reads.append(w)
-        if func is TO_COPY and flat and type(flat[0]) is Value and flat[0].node >= 0:
-            self._copied_data(flat[0])
         rng = None
         if info[1]:
             g = generator_of(func, args, kwargs, info[6])
@@ -287,16 +290,6 @@ class Tape:
         out = func(*args, **kwargs) if node.rng is None else draw(node, func, args, kwargs)
         self.after(node, out, args, kwargs)
         return out
-
-    def _copied_data(self, v: Value) -> None:
-        """``torch.tensor(array)``: ``_to_copy`` of ``lift_fresh`` of a tensor over numpy's memory, which numpy
-        writes without a version bump; the replay copies a copy taken now (``torch.as_tensor`` copies nothing)."""
-        n = self.nodes[v.node]
-        if n.func is LIFT_FRESH and type(src := n.flat[0]) is Value and src.node < 0 and id(src.t) in self.reg:
-            with bookkeeping():
-                c = versioned_copy(src.t)
-            n.flat[0] = c = Value(-1, 0, c, version_of(c), self.key(c))
-            n.reads = [c]
 
     def _snapshot(self, ptr: int, t: torch.Tensor) -> None:
         """The region writes (through ``t``) into an outside storage: the values read from it

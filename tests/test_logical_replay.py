@@ -91,7 +91,7 @@ def _program(kind: str, calls: list, state: dict):
             return (torch.tanh(h).as_subclass(_Sub) * h).sin().sum().as_subclass(torch.Tensor)
         if kind == "numpy_data":  # (torch.tensor copies the array at the call; the function then writes it:
             arr = state.setdefault("arr", np.ones(5))  # a run again read it one write later, 9.96 off under vmap(hessian))
-            t = torch.tensor(arr)
+            t = torch.tensor(arr) + torch.tensor(arr[1]) + torch.tensor(list(arr))  # (a numpy number: a constant)
             arr += 1.0
             return (h * t).sin().sum()
         if kind == "list_argument":

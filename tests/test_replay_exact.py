@@ -632,16 +632,18 @@ def test_custom_op_drawing_from_a_generator_argument():
 
 @pytest.mark.parametrize("how", ["eager", "grad", "vjp"])
 def test_tensor_made_from_numpy_data_written_after_the_forward(how):
-    """``torch.tensor(array)`` copies the data when called; the tensor over numpy's memory that
-    ``lift_fresh`` sees first comes from no op, and numpy's writes bump no version: the replay read
-    the array as it was at backward (33 for plain's 31 under ``grad``, eager too). It replays
-    from a copy taken in the forward."""
+    """``torch.tensor(array)`` copies the data when called, as ``torch.from_numpy(array).clone()`` does; the
+    tensor over numpy's memory that ``lift_fresh`` sees first comes from no op, and numpy's writes bump no
+    version: the replay read the array as it was at backward (33 for plain's 31 under ``grad``, eager too;
+    9.57e3 off for ``from_numpy(...).clone()``, found by a hostile pass). It replays from a copy taken in the
+    forward."""
     np = pytest.importorskip("numpy")
     w0 = torch.randn(5, dtype=D)
     grads = []
     for wrap in (ident, remat):
         a = np.ones(5)
-        f = wrap(lambda w: (w * torch.tensor(a)).sin().sum() + (w * torch.tensor(a, dtype=torch.float32)).cos().sum())
+        f = wrap(lambda w: (w * torch.tensor(a)).sin().sum() + (w * torch.tensor(a, dtype=torch.float32)).cos().sum()
+                 + (w * torch.from_numpy(a).clone()).tanh().sum() + (w * torch.tensor(list(a))).exp().sum())
 
         def step(w):
             y = f(w)

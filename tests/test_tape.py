@@ -289,12 +289,13 @@ def test_torch_func_path_runs_python_once(how):
 
 
 @pytest.mark.parametrize("how,runs", [("vmap_grad", 1), ("grad_vmap", 1), ("grad_grad", 1), ("vmap_grad_vmap", 1),
-                                      ("vmap_grad_vmap_unbatched_weight", 2)])
+                                      ("vmap_grad_vmap_unbatched_weight", 1)])
 def test_torch_func_path_runs_python_again_where_the_replay_cannot(how, runs):
-    """What the replay does not cover: a vmap inside a grad level inside another vmap
+    """What the aten replay does not cover: a vmap inside a grad level inside another vmap
     (``vmap(grad(vmap))``) where the grad level differentiates an input the outer vmap does not
     batch (a replay on the tensors below both vmaps would sum its gradient over the outer
-    examples) runs the function again (its Python side effects repeat); where the outer vmap
+    examples): the forward's torch calls replay there (remat_fn._logical; the function ran again,
+    its Python side effects repeated, until this); where the outer vmap
     batches every differentiated input the replay keeps each example's gradient apart as plain
     code does, and runs it once (twice until this).  Under ``vmap(grad)`` backward differentiates the forward level's graph
     under the same vmap levels, under ``grad(vmap)`` it replays the batched ops below the
