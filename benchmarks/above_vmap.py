@@ -1,8 +1,11 @@
 """Levels above a vmap: MAML's meta-gradient (``grad(vmap(grad))``) and per-task
-Hessian-vector products (``vmap(jvp(grad))``) over a pre-LN MLP whose blocks are regions.
-Backward replays the forward's torch calls there (``remat_fn/_logical.py``): measured are
-the live-bytes peak of one step, the blocks' Python calls (plain code's count: once per
-forward), and the step time against no remat, interleaved."""
+Hessian-vector products (``vmap(jvp(grad))``) over a pre-LN MLP whose blocks are regions; and
+a vmap keeping apart the per-task gradients of weights it does not batch where the forward
+level's graph does not serve (``vmap(jacrev)``; ``vmap(grad)`` given parameters that require
+grad, which eager autograd may differentiate).  Backward replays the forward's torch calls
+there (``remat_fn/_logical.py``): measured are the live-bytes peak of one step, the blocks'
+Python calls (plain code's count: once per forward), and the step time against no remat,
+interleaved."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ MiB = 2**20
 
 
 def run(quick: bool) -> dict:
-    from torch.func import functional_call, grad, jvp, vmap
+    from torch.func import functional_call, grad, jacrev, jvp, vmap
 
     from remat_fn import remat
     from remat_fn.memory import LiveBytes
@@ -24,6 +27,7 @@ def run(quick: bool) -> dict:
     d, hidden, depth, tasks, rows = (32, 128, 4, 2, 32) if quick else (64, 256, 6, 4, 128)
     net = MLPStack(d, hidden, depth)
     params = {k: v.detach() for k, v in net.named_parameters()}
+    own = dict(net.named_parameters())  # (they require grad)
     xs, ys = torch.randn(tasks, rows, d), torch.randn(tasks, rows, d)
     v = {k: torch.randn_like(t) for k, t in params.items()}
     calls = [0]
@@ -46,6 +50,8 @@ def run(quick: bool) -> dict:
     steps = {
         "MAML grad(vmap(grad))": lambda: grad(lambda p: vmap(task, in_dims=(None, 0, 0))(p, xs, ys).mean())(params),
         "per-task HVP vmap(jvp(grad))": lambda: vmap(lambda x, y: jvp(lambda p: grad(loss)(p, x, y), (params,), (v,))[1])(xs, ys),
+        "per-task gradients vmap(jacrev)": lambda: vmap(jacrev(loss), in_dims=(None, 0, 0))(params, xs, ys),
+        "per-task gradients vmap(grad), parameters requiring grad": lambda: vmap(grad(loss), in_dims=(None, 0, 0))(own, xs, ys),
     }
     out = []
     for sname, step in steps.items():
