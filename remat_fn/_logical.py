@@ -15,7 +15,10 @@ calls are checked against the forward's), and the function's Python does not run
 besides calling torch (a counter, a list it appends to) is not done twice, and does not change the
 gradient.
 
-It is recorded where the caller asks (``RegionState.logical``, see above_vmaps).  A forward the tape
+It is recorded where the caller asks (``RegionState.logical``): a level above a vmap may differentiate
+the backward (see above_vmaps), or a vmap outside the grad level keeps apart the examples' gradients of
+an input it does not batch (``RegionState.apart``), which a replay of the batched ops would sum
+(``vmap(jacrev(f))``, ``vmap(grad(vmap(f)))``, a vjp_fn under the vmap).  A forward the tape
 cannot stand for is not recorded (the run again stays): a region calling a custom
 ``autograd.Function`` or holding a nested region, calling ``torch.func`` itself, reading ``.data``,
 a hook or ``autograd`` inside, a tensor made where no torch function mode sees it, an argument that
