@@ -22,7 +22,7 @@ import torch
 
 from ._ambient import AMBIENT
 from ._functorch import any_batched, unwrap_all
-from ._torch_internals import TorchDispatchMode, any_autocast_enabled, schema
+from ._torch_internals import DisableTorchFunction, TorchDispatchMode, any_autocast_enabled, schema
 from ._torch_internals import mode_stack as _mode_stack
 
 __all__ = [
@@ -57,7 +57,6 @@ DETACH = torch.ops.aten.detach.default
 # torch.tensor(data), torch.as_tensor, torch.from_numpy: the tensor over the data (numpy's memory, which writes
 # from numpy change without a version bump) comes from no op; ``lift_fresh`` is the first op to see it
 LIFT_FRESH = torch.ops.aten.lift_fresh.default
-CLONE = torch.ops.aten.clone.default
 # ops whose outputs share their input's memory though their schema says no alias: a write into one writes the input
 ALIASING = tuple(getattr(getattr(torch.ops.aten, n), o) for n, o in (
     ("_unsafe_view", "default"), ("unsafe_split", "Tensor"), ("unsafe_split_with_sizes", "default"), ("unsafe_chunk", "default"))
@@ -471,11 +470,12 @@ class PrivateWrites(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if simple_args(args, kwargs):
-            args = tuple(self._private(x) for x in args)
-        else:
-            args, kwargs = optree.tree_map(self._private, (args, kwargs), none_is_leaf=True)
-        return func(*args, **kwargs)
+        with DisableTorchFunction():  # (its own tensors are no torch call of the function's: the capture mode's trace)
+            if simple_args(args, kwargs):
+                args = tuple(self._private(x) for x in args)
+            else:
+                args, kwargs = optree.tree_map(self._private, (args, kwargs), none_is_leaf=True)
+            return func(*args, **kwargs)
 
 
 def call_grad_mode() -> bool:

@@ -43,7 +43,6 @@ import torch
 from ._errors import RematError, mutated_outside
 from ._ops import (
     ALIASING,
-    CLONE,
     DECOMPOSED,
     DETACH,
     LIFT_FRESH,
@@ -231,11 +230,6 @@ class Tape:
         return self.last_write.get(self.key(t)) if self.last_write else None
 
     def before(self, func, key, args, kwargs) -> Node:
-        if func is LIFT_FRESH:
-            # data handed to torch (torch.tensor(array), torch.from_numpy: a tensor no op made, over memory numpy
-            # writes without a version bump): the replay makes a fresh tensor of the data as the forward read it
-            with bookkeeping():
-                func, args = CLONE, (versioned_copy(args[0]),)
         info = op_info(func)
         if simple_args(args, kwargs):  # (most ops: tensors only as positional arguments)
             flat, spec = list(args), None
@@ -282,6 +276,8 @@ class Tape:
                 if p and (p in self.outside or p in self.written_outside):
                     self.written_outside.add(p)
                     self._snapshot(p, t)
+        elif func is LIFT_FRESH and flat[0].node < 0 and (p := flat[0].ptr) > 0:
+            self._lifted(p, args[0])
         return node
 
     def record(self, func, key, args, kwargs):
@@ -290,6 +286,20 @@ class Tape:
         out = func(*args, **kwargs) if node.rng is None else draw(node, func, args, kwargs)
         self.after(node, out, args, kwargs)
         return out
+
+    def _lifted(self, p: int, t: torch.Tensor) -> None:
+        """Data handed to torch (``torch.tensor(array)``, ``torch.from_numpy``): ``t`` is over memory numpy writes
+        without a version bump.  Read as a storage the region writes: from a copy taken at its first read, one per
+        replay, which every alias of that memory the region reads shares (a write through one reaches the others,
+        replayed in order); a fresh copy where numpy changed the memory since (no op of the region wrote it)."""
+        old = self.storage_copies.get(p)
+        if old is not None and p not in self.last_write and has_storage(t):
+            with bookkeeping():
+                now = clone_storage(t.untyped_storage())
+            if not torch.equal(now, old.data):
+                del self.storage_copies[p]  # (the values read before keep theirs)
+        self.written_outside.add(p)
+        self._snapshot(p, t)
 
     def _snapshot(self, ptr: int, t: torch.Tensor) -> None:
         """The region writes (through ``t``) into an outside storage: the values read from it
@@ -305,7 +315,7 @@ class Tape:
                 st = t.untyped_storage()
                 copy = StorageCopy(clone_storage(st))
                 if self.copies:
-                    self.pre_write[ptr] = copy.storage
+                    self.pre_write.setdefault(ptr, copy.storage)  # (what it held before the forward)
                     self.written_storages.append((st, copy.storage))
             self.storage_copies[ptr] = copy
         copy = self.storage_copies[ptr]
