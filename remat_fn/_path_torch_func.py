@@ -484,6 +484,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     # (a tensor an enclosing region closes over: as its ops see it; one left over from a transform
     # that has exited, as its ops see it: without the dead levels' wrappers, which the Function refuses)
     inputs = [unwrap_if_dead(t) for t in substituted(given)]
+    if not forward_mode_active():  # (two arguments one tensor below a transform's wrapper: apart, see distinct_objects)
+        inputs = distinct_objects(inputs, [])
     policy = call.policy("func", [*inputs, *captured])
     if type(policy) is Measuring:  # memory_budget's first call: activation inputs count
         policy.note_inputs(storage_ptr(t) for t in inputs if t.grad_fn is not None)
