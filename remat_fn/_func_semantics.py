@@ -176,7 +176,7 @@ def random_in_vmap(name: str):
         if "randomness error mode" not in str(e):
             raise
         raise RematError(
-            f"remat({name}) draws random numbers from torch's global generator and its "
+            f"remat({name}) draws random numbers from a torch generator (the global one or its own) and its "
             "recomputation runs inside a vmap whose randomness mode is 'error' (jacrev, or a "
             "vmapped vjp_fn), where torch forbids such draws. Fix: draw with explicit keys "
             "(remat_fn.random.dropout(key, x, p), remat_fn.random.normal(key, ...)), which "
