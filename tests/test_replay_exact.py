@@ -23,6 +23,8 @@ from remat_fn import policies as P
 from remat_fn import remat
 from remat_fn.memory import LiveBytes
 
+from ._util import Square
+
 D = torch.float64
 
 
@@ -707,23 +709,6 @@ def test_numpy_array_written_in_place_where_the_function_runs_again():
     forward (it wrote the array a second time and read that: 4745 off in a first version; a false
     ``RecomputeMismatchError`` before, the private copy's own tensor taken for a call of the function)."""
     np = pytest.importorskip("numpy")
-
-    class Cube(torch.autograd.Function):
-        generate_vmap_rule = True
-
-        @staticmethod
-        def forward(x):
-            return x ** 3
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(inputs[0])
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            return 3 * x ** 2 * g
-
     w0 = torch.tensor([0.3, -0.7, 1.1], dtype=D)
     xs = torch.tensor([[1.0, 2.0, 3.0], [-1.0, 0.5, 2.0]], dtype=D)
     for conv in (torch.from_numpy, torch.as_tensor):
@@ -736,7 +721,7 @@ def test_numpy_array_written_in_place_where_the_function_runs_again():
                 def f(w, x, arr=arr):
                     a = conv(arr)
                     a.mul_(2.0)
-                    return Cube.apply(w * a).sin() * x
+                    return Square.apply(w * a).sin() * x
 
                 out.append((run(wrap(f)), arr.copy()))
             for got, arr_after in out[1:]:
