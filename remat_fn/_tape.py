@@ -65,7 +65,7 @@ from ._ops import (
     storage_key,
     written_tensors,
 )
-from ._storage_copy import StorageCopy, clone_storage, from_copy, versioned_copy
+from ._storage_copy import OutsideWrites, StorageCopy, from_copy, versioned_copy
 from ._torch_internals import version as version_of
 from ._unseen import unseen_alias
 
@@ -127,7 +127,7 @@ class Node:
         self.inference = torch.is_inference_mode_enabled()  # (no tangent reaches its results: see _replay_live)
 
 
-class Tape:
+class Tape(OutsideWrites):
     """The ops of one forward of one region (see the module docstring)."""
 
     def __init__(self, func_path: bool = False, copies: bool = False, replayed: bool = True):
@@ -148,6 +148,7 @@ class Tape:
         self.storage_copies: dict[int, StorageCopy | None] = {}  # storage -> its contents before the first write
         self.paused = 0
         self.stale: list = []  # outside Values whose tensor the region wrote after reading them
+        self.lifts: list | None = []  # (memory range, storage, Values, copy) of data handed to torch, see _lifted
         # torch.func path: storage -> a copy of it before the region first wrote into it
         # (the re-run writes into private copies: a buffer is updated once)
         self.pre_write: dict[int, Any] = {}
@@ -270,6 +271,8 @@ class Tape:
             node.shapes = tuple(shapes)
         if info[0]:
             for t in written_tensors(func, args, kwargs):
+                if self.lifts and has_storage(t):
+                    self._unlift(t)
                 p = self.key(t)
                 for n, i in self.held_at.pop(p, ()) if self.held_at else ():
                     n.held[i] = n.held[i].clone()  # (a held output written later: keep what it was)
@@ -286,51 +289,6 @@ class Tape:
         out = func(*args, **kwargs) if node.rng is None else draw(node, func, args, kwargs)
         self.after(node, out, args, kwargs)
         return out
-
-    def _lifted(self, p: int, t: torch.Tensor) -> None:
-        """Data handed to torch (``torch.tensor(array)``, ``torch.from_numpy``): ``t`` is over memory numpy writes
-        without a version bump.  Read as a storage the region writes: from a copy taken at its first read, one per
-        replay, which every alias of that memory the region reads shares (a write through one reaches the others,
-        replayed in order); a fresh copy where numpy changed the memory since (no op of the region wrote it)."""
-        old = self.storage_copies.get(p)
-        if old is not None and p not in self.last_write and has_storage(t):
-            with bookkeeping():
-                now = clone_storage(t.untyped_storage())
-            if not torch.equal(now, old.data):
-                del self.storage_copies[p]  # (the values read before keep theirs)
-        self.written_outside.add(p)
-        self._snapshot(p, t)
-
-    def _snapshot(self, ptr: int, t: torch.Tensor) -> None:
-        """The region writes (through ``t``) into an outside storage: the values read from it
-        so far replay from a copy of the storage taken before its first write, one copy per
-        replay shared by all of them (they alias there as they did here)."""
-        with bookkeeping():
-            self._snapshot_now(ptr, t)
-
-    def _snapshot_now(self, ptr: int, t: torch.Tensor) -> None:
-        if ptr not in self.storage_copies:
-            copy = None
-            if ptr > 0 and has_storage(t):
-                st = t.untyped_storage()
-                copy = StorageCopy(clone_storage(st))
-                if self.copies:
-                    self.pre_write.setdefault(ptr, copy.storage)  # (what it held before the forward)
-                    self.written_storages.append((st, copy.storage))
-            self.storage_copies[ptr] = copy
-        copy = self.storage_copies[ptr]
-        for v in self.outside.pop(ptr, ()):
-            if v.snap is None and version_of(v.t) == v.version:
-                if copy is not None and has_storage(v.t):
-                    t = v.t
-                    v.snap = copy
-                    v.geom = (t.dtype, t.device, t.storage_offset(), t.size(), t.stride())
-                else:  # (a subclass: a copy of its own, also what a retry puts back)
-                    with torch.no_grad():
-                        v.snap = v.t.clone()
-                    if self.copies:
-                        self.written_storages.append((v.t, v.snap))
-                self.stale.append(v)
 
     def _hold(self, node: Node, leaves, args, kwargs) -> None:
         """Keep a random op's outputs (and the arguments it wrote) instead of replaying it;
@@ -511,15 +469,6 @@ class Tape:
                     n.flat = n.reads = ()
             else:
                 nodes[k] = None
-
-    def undo_writes(self) -> None:
-        """Put back what the forward wrote into outside storages (a buffer updated in
-        place; a subclass tensor, whole), before that forward runs again (a retry on the
-        torch.func path)."""
-        with torch.no_grad():
-            for st, before in reversed(self.written_storages):
-                st.copy_(before)
-        self.written_storages = []
 
     def restore_rng(self) -> None:
         """Put every generator the forward drew from back where it was before the first draw."""
