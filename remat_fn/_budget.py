@@ -181,7 +181,7 @@ def plan_on_graph(fraction: float, items: dict, reference: int, fixed: int, tape
 
     def judge(chosen: set) -> tuple[float, int, set]:
         """(replay cost, bytes kept, the chosen nodes the replay reads) of a choice."""
-        run, used, _ = tape.plan(roots, {id(v) for k in chosen for v in (*nodes[k].outs, *(w for _, w in nodes[k].writes)) if v is not None})
+        run, used, _ = tape.plan(roots, {id(v) for k in chosen for v in nodes[k].values()})
         read = {v.node for v in used}
         return sum(ncost[k] for k in run), sum(nbytes[k] for k in read), read
 

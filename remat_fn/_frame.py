@@ -277,7 +277,7 @@ def plan_kept(tape, roots, rec: Record | None) -> tuple[list[int], set, set]:
         return tape.plan(roots)
     nodes = tape.nodes
     kept = {id(v) for n in nodes if n is not None and n.key is not None and n.key in rec.entries
-            for v in (*n.outs, *(w for _, w in n.writes)) if v is not None and rec.has(n.key, v.idx)}
+            for v in n.values() if rec.has(n.key, v.idx)}
     run, used_kept, used_outside = tape.plan(roots, kept)
     rec.retain({(nodes[v.node].key, v.idx) for v in used_kept})
     # kept values an op writes into (h = x @ w; h += b): handed out as copies, or a second backward
@@ -295,15 +295,17 @@ def output_value(tape, t: torch.Tensor):
     write into its storage (through another view of it: ``y[0].sin_()``) is noted in
     ``tape.out_writes``: a replay runs it too, though no op reads the output after it."""
     b = unwrap_all(t)
-    w = tape.write_before(b) if tape.reg is not None else None
+    if tape.reg is None:  # (released: nothing is known of it)
+        return b
+    w = tape.write_before(b)
     if w is not None:
         tape.out_writes.append(w)
-    e = tape.reg.get(id(b)) if tape.reg is not None else None
+    e = tape.reg.get(id(b))
     if e is not None:
         v, ref = e
         if (ref() if v.node >= 0 else ref) is b:
             return v
-    a = unseen_alias(tape, b) if tape.reg is not None else None
+    a = unseen_alias(tape, b)
     return b if a is None else a
 
 

@@ -522,7 +522,6 @@ def _batched_at(t: torch.Tensor, levels: list) -> torch.Tensor:
     return C._add_batch_dim(below.expand(size, *below.shape), 0, level)
 
 
-
 def distinct_objects(closed: list, inputs: list) -> list:
     """The tensors the region closes over as the Function gets them (``closed``), each an object of its own
     below every wrapper.  A weight closed over and the argument a transform made of it (``grad(f)(u)``, ``f``

@@ -484,7 +484,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
     # (a tensor an enclosing region closes over: as its ops see it; one left over from a transform
     # that has exited, as its ops see it: without the dead levels' wrappers, which the Function refuses)
     inputs = [unwrap_if_dead(t) for t in substituted(given)]
-    if not forward_mode_active():  # (two arguments one tensor below a transform's wrapper: apart, see distinct_objects)
+    separate = not forward_mode_active()  # (objects over one tensor below a transform's wrapper: see distinct_objects)
+    if separate:
         inputs = distinct_objects(inputs, [])
     policy = call.policy("func", [*inputs, *captured])
     if type(policy) is Measuring:  # memory_budget's first call: activation inputs count
@@ -512,9 +513,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             )
         spec = RegionState(call.run, len(inputs), captured, name, debug, reach, expand)
         spec.given_ids = [id(t) for t in inputs]
-        # (what the Function gets; the function reads ``captured``)
-        closed = [unwrap_if_dead(t) for t in substituted(captured)]
-        if not forward_mode_active():  # (under forward mode, with a region nested in this one: its tangent twice, open)
+        closed = [unwrap_if_dead(t) for t in substituted(captured)]  # (what the Function gets; the function reads ``captured``)
+        if separate:
             closed = distinct_objects(closed, inputs)
         spec.produced, spec.keep_graph, spec.levels = produced, keep_graph, levels
         spec.relocate = relocate or keep_graph  # (see RegionState.call)

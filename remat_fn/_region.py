@@ -361,10 +361,6 @@ def devices_of(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
     return seen
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a, b)  # byte tensors: no numpy needed (a runtime dependency we avoid)
-
-
 def _device_state_api(device: torch.device):
     try:
         mod = torch.get_device_module(device.type)
@@ -392,7 +388,7 @@ class RNGSnapshot:
         """Drop states the forward did not advance; return True if any remain."""
         if self.cpu is not None:
             now = torch.get_rng_state()
-            if _same(now, self.cpu):
+            if torch.equal(now, self.cpu):  # (byte tensors)
                 self.cpu = None
         kept = []
         for d, s in self.devices:  # pragma: no cover - needs an accelerator

@@ -126,6 +126,10 @@ class Node:
         self.grad = call_grad_mode()
         self.inference = torch.is_inference_mode_enabled()  # (no tangent reaches its results: see _replay_live)
 
+    def values(self) -> list:
+        """The Values it makes: its outputs and its written arguments after the op."""
+        return [v for v in (*self.outs, *(w for _, w in self.writes)) if v is not None]
+
 
 class Tape(OutsideWrites):
     """The ops of one forward of one region (see the module docstring)."""
