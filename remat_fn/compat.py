@@ -154,11 +154,12 @@ def checkpoint(
     if torch.compiler.is_compiling():
         if transforms_active():
             return function(*args, **kwargs)  # see remat_fn/_path_compile.py
+        # (torch's operator as Dynamo traces it: a context_fn given at all must be a selective-checkpoint
+        # partial there, torch's own no-op included, so none is passed for it)
+        extra = {} if _is_noop(context_fn) else {"context_fn": context_fn}
         return _tc.checkpoint(
-            function, *args, use_reentrant=False,
-            context_fn=_tc.noop_context_fn if context_fn is None else context_fn,
-            preserve_rng_state=preserve_rng_state, determinism_check=determinism_check,
-            debug=debug, early_stop=early_stop, **kwargs,
+            function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
+            determinism_check=determinism_check, debug=debug, early_stop=early_stop, **extra, **kwargs,
         )
     global_debug = checkpoint_flag("_checkpoint_debug_enabled")
     if global_debug is not None:

@@ -121,6 +121,48 @@ def test_compile_policy_through_remat_and_compat():
     assert res["remat_policy"] == {"fw": 2, "bw": 4, "ok": True}
 
 
+def test_compile_compat_checkpoint_as_torch_is_called():
+    # a hostile pass: compat.checkpoint under torch.compile raised Dynamo's "checkpoint not implemented
+    # for ... context_fn" in every form but a selective-checkpoint partial (it handed torch's operator
+    # torch's own no-op context_fn, which Dynamo refuses where given explicitly: torch's checkpoint
+    # called so raises it too); kwargs, dict outputs and checkpoint_sequential likewise
+    res = _run(
+        """
+        from remat_fn.compat import checkpoint, checkpoint_sequential
+        from torch.utils.checkpoint import noop_context_fn
+        out = {}
+        forms = {"default": {}, "reentrant": {"use_reentrant": True}, "non_reentrant": {"use_reentrant": False},
+                 "noop_context_fn": {"use_reentrant": False, "context_fn": noop_context_fn}}
+        c = {}
+        torch._dynamo.reset()
+        g = torch.compile(lambda x: torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).sum(),
+                          backend=counting_backend(c))
+        out["torch"] = dict(ok=close(torch.autograd.grad(g(x), (x, w1, w2))), **c)
+        for name, kw in forms.items():
+            c = {}
+            torch._dynamo.reset()
+            g = torch.compile(lambda x: checkpoint(block, x, **kw).sum(), backend=counting_backend(c))
+            out[name] = dict(ok=close(torch.autograd.grad(g(x), (x, w1, w2))), **c)
+        torch._dynamo.reset()
+        h = lambda x, scale: {"y": block(x) * scale, "n": 3}
+        g = torch.compile(lambda x: checkpoint(h, x, scale=2.0, use_reentrant=False)["y"].sum() / 2, backend="aot_eager")
+        out["kwargs_dict"] = close(torch.autograd.grad(g(x), (x, w1, w2)))
+        torch._dynamo.reset()
+        seq = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh())
+        want = torch.autograd.grad(seq(x).sum(), [x, *seq.parameters()])
+        g = torch.compile(lambda x: checkpoint_sequential(seq, 2, x, use_reentrant=False).sum(), backend="aot_eager")
+        got = torch.autograd.grad(g(x), [x, *seq.parameters()])
+        out["sequential"] = all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(got, want))
+        print(json.dumps(out))
+        """
+    )
+    print("compat.checkpoint under torch.compile:", res)
+    assert res["torch"] == {"fw": 2, "bw": 6, "ok": True}  # (both mm again, then the four of their backward)
+    for name in ("default", "reentrant", "non_reentrant", "noop_context_fn"):
+        assert res[name] == res["torch"], (name, res[name])
+    assert res["kwargs_dict"] and res["sequential"]
+
+
 def test_compile_fullgraph_over_remat_module_with_a_policy():
     # issue 31: torch.compile(model, fullgraph=True) over remat_module(..., policy=...)
     # broke the graph on a torch.compiler.disable'd helper; the policy still decides
