@@ -365,6 +365,7 @@ def undo_forward(spec, snap) -> None:
     if snap is not None:
         snap.restore_now()
     if spec.tape is not None:
+        spec.tape.restore_rng()  # (the function's own generators too)
         spec.tape.undo_writes()
 
 

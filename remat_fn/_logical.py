@@ -34,6 +34,7 @@ import optree
 import torch
 
 from ._functorch import current_level, unwrap_all
+from ._ops import is_default_generator
 from ._torch_internals import DisableTorchFunction, any_autocast_enabled, set_grad_mode
 
 __all__ = ["LogicalTape"]
@@ -107,13 +108,6 @@ def _tensors_of(out) -> list:
     if isinstance(out, (tuple, list)):  # (torch.return_types too)
         return [t for t in optree.tree_leaves(out, none_is_leaf=True) if isinstance(t, torch.Tensor)]
     return []
-
-
-def _default(g: torch.Generator) -> bool:
-    """A device's default generator (one the region's RNG snapshot restores), not the caller's own."""
-    if g is torch.default_generator:
-        return True
-    return g.device.type != "cpu" and any(g is d for d in getattr(getattr(torch, g.device.type, None), "default_generators", ()))
 
 
 def _autocast() -> bool:
@@ -205,7 +199,7 @@ class LogicalTape:
         # whatever the function did to the generators between calls (torch.random.fork_rng, set_rng_state)
         draws: dict = {}
         for node in self._tape.nodes[self._mark:]:
-            if node.rng is not None and node.rng[1] is not None and _default(node.rng[0]):
+            if node.rng is not None and node.rng[1] is not None and is_default_generator(node.rng[0]):
                 draws.setdefault(id(node.rng[0]), (node.rng[0], node.rng[1]))
         self.calls[c][5] = tuple(draws.values())
         for j, t in enumerate(made):

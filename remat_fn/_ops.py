@@ -26,7 +26,7 @@ from ._torch_internals import DisableTorchFunction, TorchDispatchMode, any_autoc
 from ._torch_internals import mode_stack as _mode_stack
 
 __all__ = [
-    "op_info", "storage_key", "simple_args", "generator_of", "default_states", "devices_of", "held_copy",
+    "op_info", "storage_key", "simple_args", "generator_of", "default_states", "is_default_generator", "devices_of", "held_copy",
     "no_autocast", "ALIASING", "SEQ", "draw", "run_recorded", "user_modes", "reenter", "written_tensors", "arg_shapes",
     "arg_meta", "has_storage", "PLAIN", "METADATA_ONLY", "single_output", "placeholder", "private_copies", "DECOMPOSED",
     "copy_before_write", "DETACH", "PrivateWrites", "call_grad_mode", "bookkeeping", "follow", "untracked_stats",
@@ -258,6 +258,13 @@ def reenter(modes):
 
 def default_states(devices) -> tuple:
     return tuple(g.get_state() for g in _default_generators(devices))
+
+
+def is_default_generator(g: torch.Generator) -> bool:
+    """A device's default generator (one the region's RNG snapshot restores), not the caller's own."""
+    if g is torch.default_generator:
+        return True
+    return g.device.type != "cpu" and any(g is d for d in getattr(getattr(torch, g.device.type, None), "default_generators", ()))
 
 
 def _default_generators(devices) -> list:

@@ -298,8 +298,7 @@ def run_with_hooks(call: RegionCall) -> Any:
         # generator states and buffers (BatchNorm's statistics) before this try.
         if snap is not None:
             snap.restore_now()
-        else:
-            undo.restore_rng()
+        undo.restore_rng()  # (the function's own generators too)
         undo.undo_writes()
         raise NeedsTorchFuncPath() from None
     finally:
@@ -342,7 +341,7 @@ def run_with_hooks(call: RegionCall) -> Any:
         frame.tape = None
         frame.args = frame.kwargs = None
     frame.saved_ptrs = None
-    if snap is not None and snap.finish():
+    if snap is not None and snap.finish(undo):
         frame.rng = snap
     if prof is not None:
         _report(frame, prof, start, tensors)

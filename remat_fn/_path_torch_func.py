@@ -11,16 +11,14 @@ so when a functorch transform is active the region runs inside
   tape, where nothing outside differentiates the backward; where something
   does (``grad`` of ``grad``, ``hessian``) and under forward mode (``jvp``),
   the tape's replay through every active transform (:mod:`remat_fn._replay_live`).
-  Where no replay can stand in (docs/design.md) it runs the region again with
-  ``torch.func.vjp``, computing only the ops the tape's plan needs; ``debug=True``
-  runs it again to check it.  ``generate_vmap_rule`` covers ``vmap``.
+  Where no replay can stand in (docs/design.md) it runs the region again (:mod:`remat_fn._rerun`);
+  ``debug=True`` runs it again to check it.  ``generate_vmap_rule`` covers ``vmap``.
 * Under ``vmap(grad)`` (every vmap outside the other transforms) backward
   differentiates the forward level's graph under the forward's vmap levels:
   the tape replays the batched tensors below them and the unpack puts their
   wrappers back (see remat_fn._func_graph.KeepHandles).
-* Tensors the function closes over (found by :mod:`remat_fn._closures`,
-  substituted by :mod:`remat_fn._captures`) are extra inputs, so their
-  gradients are exact.
+* Tensors the function closes over (found by :mod:`remat_fn._closures`, substituted
+  by :mod:`remat_fn._captures`) are extra inputs, so their gradients are exact.
 * Memory under ``grad``: functorch differentiates with ``create_graph=True``,
   which would keep every recomputed activation alive in the graph of the
   gradient.  When no outer level can differentiate the result (no other live
@@ -426,6 +424,8 @@ class _RematFunction(torch.autograd.Function):
                 spec.out_values = None
         if touts is None:  # (inside apply: the caller's objects get views of the side outputs, see connect_side_outputs)
             f = recompute_fn(spec, tensors, wrt, out_diff, spec.rerun_objs, under_jvp=True)
+            if spec.rng is not None and spec.tape is not None:  # (inside apply, before RNGSnapshot.finish)
+                spec.rng.note_draws(spec.tape)
             with spec.rng or _NULL, spec.autocast:  # forward mode: recompute everything
                 _, touts = torch.func.jvp(f, tuple(tensors[i] for i in wrt), tuple(tangents[i] for i in wrt))
         it = iter(touts)
@@ -606,7 +606,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         torch.set_grad_enabled(spec.grad_left)
     if stale:
         stale_side_outputs(spec, stale)
-    spec.rng = snap if snap is not None and snap.finish() else None
+    spec.rng = snap if snap is not None and snap.finish(spec.tape) else None
     off = spec.offload
     # (the recomputation reads private copies of the buffers the forward wrote)
     kept = off.kept_inputs(inputs) if off is not None else inputs

@@ -54,6 +54,7 @@ import torch
 
 from ._ambient import AMBIENT, SWITCHES
 from ._budget import BudgetPlanner
+from ._ops import is_default_generator
 from ._pytree import flatten_output
 from .policies import memory_budget, normalize_policy
 
@@ -374,9 +375,11 @@ def _device_state_api(device: torch.device):
 class RNGSnapshot:
     """States of the CPU generator and of the given devices' generators."""
 
-    __slots__ = ("cpu", "devices", "_saved_cpu", "_saved_dev")
+    __slots__ = ("cpu", "devices", "explicit", "_saved_cpu", "_saved_dev", "_saved_explicit")
 
     def __init__(self, devices: list[torch.device]):
+        self.explicit: list[tuple[torch.Generator, torch.Tensor]] = []  # (the function's own generators, see finish)
+        self._saved_explicit: list = []
         self.cpu: torch.Tensor | None = torch.get_rng_state()
         self.devices: list[tuple[torch.device, torch.Tensor]] = []
         for d in devices:
@@ -384,8 +387,14 @@ class RNGSnapshot:
             if mod is not None:  # pragma: no cover - needs an accelerator
                 self.devices.append((d, mod.get_rng_state(d)))
 
-    def finish(self) -> bool:
-        """Drop states the forward did not advance; return True if any remain."""
+    def finish(self, tape=None) -> bool:
+        """Drop states the forward did not advance; return True if any remain.  ``tape``: the forward's
+        tape, whose draws from a generator of the function's own (``torch.rand(..., generator=g)``) a run
+        again of the function starts from too (it drew the forward's values again from where ``g`` had
+        moved on, and left ``g`` moved twice: 0.14 to 1.7 off under ``jacfwd``, eager forward mode,
+        ``debug=True``, a hostile pass)."""
+        if tape is not None:
+            self.note_draws(tape)
         if self.cpu is not None:
             now = torch.get_rng_state()
             if torch.equal(now, self.cpu):  # (byte tensors)
@@ -396,7 +405,11 @@ class RNGSnapshot:
             if not torch.equal(now, s):
                 kept.append((d, s))
         self.devices = kept
-        return self.cpu is not None or bool(self.devices)
+        return self.cpu is not None or bool(self.devices) or bool(self.explicit)
+
+    def note_draws(self, tape) -> None:
+        """The generators of the function's own ``tape`` drew from, as they were before (see finish)."""
+        self.explicit = [(g, s) for g, s in tape.first_draws.values() if not is_default_generator(g)]
 
     def restore_now(self) -> None:
         """Set the generators back to the snapshot (used to retry a forward)."""
@@ -415,6 +428,9 @@ class RNGSnapshot:
             mod.set_rng_state(s, d)
         if self.cpu is not None:
             torch.set_rng_state(self.cpu)
+        self._saved_explicit = [(g, g.get_state()) for g, _ in self.explicit]
+        for g, s in self.explicit:
+            g.set_state(s)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -422,8 +438,11 @@ class RNGSnapshot:
             torch.set_rng_state(self._saved_cpu)
         for mod, d, s in self._saved_dev:  # pragma: no cover - needs an accelerator
             mod.set_rng_state(s, d)
+        for g, s in self._saved_explicit:
+            g.set_state(s)
         self._saved_cpu = None
         self._saved_dev = []
+        self._saved_explicit = []
 
 
 # -- autocast and the default device ---------------------------------------------

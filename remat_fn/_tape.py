@@ -169,6 +169,7 @@ class Tape(OutsideWrites):
         self.out_writes: list = []  # the last write into each output's storage (see _frame.output_value)
         self.made: set[int] = set()  # storages the region's ops allocated (see remat_fn._unseen)
         self.functions: dict = {}  # custom autograd.Function class -> every call a step of its own (see _replay_live)
+        self.first_draws: dict[int, tuple] = {}  # id -> (generator, its state before the forward's first draw from it)
 
     def first_write(self, key: int, pos: int):
         """The write autograd expects into a tensor it saved at ``pos``: the first write into
@@ -328,6 +329,8 @@ class Tape(OutsideWrites):
                 node.rng = (torch.default_generator, states[0])  # (for restore_rng)
             else:
                 node.rng = None  # (it drew nothing: dropout_p=0, eval mode)
+        if node.rng is not None and node.rng[1] is not None and id(node.rng[0]) not in self.first_draws:
+            self.first_draws[id(node.rng[0])] = node.rng[:2]  # (for a run again of the function: RNGSnapshot.finish)
         outs = node.outs
         fresh = not view and node.func not in ALIASING
         wrote = {id(t) for t in written_tensors(node.func, args, kwargs)} if writes and fresh else ()
@@ -476,11 +479,8 @@ class Tape(OutsideWrites):
 
     def restore_rng(self) -> None:
         """Put every generator the forward drew from back where it was before the first draw."""
-        done = set()
-        for n in self.nodes:
-            if n is not None and n.rng is not None and id(n.rng[0]) not in done:
-                done.add(id(n.rng[0]))
-                n.rng[0].set_state(n.rng[1])
+        for g, state in self.first_draws.values():
+            g.set_state(state)
 
     # -- backward ------------------------------------------------------------
     def outside_value(self, v: Value, name: str, env: dict) -> torch.Tensor:

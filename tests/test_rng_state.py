@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.func import grad, vmap
+from torch.func import grad, jacfwd, vmap
 
 from remat_fn import RematError, remat
 from remat_fn._region import RNGSnapshot
@@ -358,3 +358,55 @@ def test_per_sample_gradients_with_batched_draws(how):
         _drawing, lambda f: run(f, xb, w0.clone().requires_grad_(how.startswith("eager"))), seed=12)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     assert n_plain == 1 and (runs is None or n_remat == runs)
+
+
+# -- a generator of the function's own where the function runs again (a hostile pass) ---------
+def _own_generator_runs():
+    """(name, run): each runs ``fn`` (plain or remat) under a transform whose region runs the function
+    again (forward mode's rule under vmap, eager forward mode then backward, the strict checks)."""
+    import torch.autograd.forward_ad as fwAD
+
+    x = torch.tensor([0.3, -1.2, 2.0, 0.7], dtype=torch.float64)
+
+    def eager_forward_mode(fn):
+        xl = x.clone().requires_grad_()
+        with fwAD.dual_level():
+            p, t = fwAD.unpack_dual(fn(fwAD.make_dual(xl, torch.ones_like(x))))
+            return p, t, torch.autograd.grad((p * t).sum(), xl)[0]
+
+    def eager(fn):
+        xl = x.clone().requires_grad_()
+        y = fn(xl)
+        return y, torch.autograd.grad(y.pow(2).sum(), xl)[0]
+
+    return {
+        "jacfwd_same": lambda fn: jacfwd(fn, randomness="same")(x),
+        "jacfwd_different": lambda fn: jacfwd(fn, randomness="different")(x),
+        "vmap_jvp_unbatched_primal": lambda fn: vmap(lambda t: torch.func.jvp(fn, (x,), (t,)), randomness="same")(
+            torch.eye(4, dtype=torch.float64)),
+        "eager_forward_mode_then_backward": eager_forward_mode,
+        "eager_debug": eager,
+        "grad_debug": lambda fn: grad(lambda z: fn(z).pow(2).sum())(x),
+        "first_call_calling_torch_func": eager,
+    }
+
+
+@pytest.mark.parametrize("name", list(_own_generator_runs()))
+def test_a_generator_of_the_functions_own_where_the_function_runs_again(name):
+    """The run again drew from the generator as the forward had left it: other numbers than the
+    forward's (0.14 to 1.7 off), and the generator moved on twice; it starts where the forward did."""
+    run = _own_generator_runs()[name]
+    g = torch.Generator()
+
+    def fn(z):
+        if name == "first_call_calling_torch_func":  # (its first call tries eager, then the torch.func path)
+            z = z + 0 * torch.func.grad(lambda u: u.sin().sum())(z.detach())
+        return z.sin() * torch.rand(4, generator=g, dtype=torch.float64)
+
+    results = {}
+    for kind, wrapped in (("plain", fn), ("remat", remat(fn, debug=name.endswith("debug")))):
+        g.manual_seed(5)
+        out = run(wrapped)
+        results[kind] = (out, torch.rand(3, generator=g))
+    assert_tree_close(results["remat"][0], results["plain"][0], rtol=0, atol=1e-12)
+    assert torch.equal(results["remat"][1], results["plain"][1]), "the generator moved on otherwise than plain's"
