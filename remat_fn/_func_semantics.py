@@ -71,7 +71,7 @@ from ._torch_internals import version as version_of
 __all__ = ["RegionState", "ForwardHook", "NeedsGraph", "keep_nothing", "hooks_aside", "random_in_vmap", "draws_in_vmap",
            "connect_side_outputs", "check_unsure", "stale_side_outputs",
            "check_lazy_outputs", "distinct_inputs", "out_meta", "saved_inputs",
-           "replace_at", "undo_forward", "plan_rerun", "deep_enough", "primal_under_vjp"]
+           "replace_at", "undo_forward", "plan_rerun", "deep_enough", "primal_under_vjp", "cotangents"]
 
 _NULL = contextlib.nullcontext()
 
@@ -357,6 +357,12 @@ def primal_under_vjp(f, *primals):
     """``f(*primals)`` under a ``vjp`` level of its own, as the region's forward runs: a function
     that differentiates inside (``torch.autograd.grad``) finds its inputs requiring grad."""
     return torch.func.vjp(f, *primals)[0]
+
+
+def cotangents(spec, grads, out_diff) -> tuple:
+    """The differentiable outputs' cotangents (zeros for those nobody differentiates)."""
+    return tuple(g if g is not None else torch.zeros(m[0], dtype=m[1], device=m[2])
+                 for g, m, d in zip(grads, spec.out_meta, out_diff) if d)
 
 
 def undo_forward(spec, snap) -> None:

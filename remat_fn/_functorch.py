@@ -19,7 +19,7 @@ __all__ = [
     "unwrap_all", "version_alias",
     "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead",
     "forward_mode_active", "forward_mode_at", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
-    "requires_grad_anywhere", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
+    "requires_grad_anywhere", "outside_innermost", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
     "draws_batched", "batch_layers", "apart_inputs", "rebatch", "sum_levels", "grad_on_top", "vmaps_outermost", "current_level", "grad_mode_at",
     "transform_autograd", "above_vmaps", "jvp_innermost",
     "wrap_at_top", "differentiable", "peel_vmaps", "to_physical", "from_physical",
@@ -172,6 +172,14 @@ def jvp_innermost(levels: dict | None) -> bool:
     """The innermost of the transforms active at a call (``levels``) is a ``jvp``: what ``.data``
     strips there (only that level's wrapper)."""
     return bool(levels) and is_jvp_kind(levels[max(levels)])
+
+
+def outside_innermost(levels: dict | None, level: int) -> bool:
+    """``level`` (where functorch applied the region's Function: it applies it at each level) lies outside
+    the innermost differentiating level active at the call (``levels``): plain code's ``detach_``, ``.data``
+    or hook inside acted at that innermost level alone (the levels outside differentiate through it)."""
+    inner = [lv for lv, kind in (levels or {}).items() if not is_vmap_kind(kind)]
+    return bool(inner) and level < max(inner)
 
 
 def above_vmaps(levels: dict | None, inputs) -> bool:

@@ -71,6 +71,7 @@ from ._func_semantics import (
     check_lazy_outputs,
     check_unsure,
     connect_side_outputs,
+    cotangents,
     deep_enough,
     distinct_inputs,
     draws_in_vmap,
@@ -89,6 +90,7 @@ from ._functorch import (
     apart_inputs,
     batch_layers,
     carries_grad,
+    current_level,
     differentiable,
     differentiated_outside_vmaps,
     forward_mode_active,
@@ -99,6 +101,7 @@ from ._functorch import (
     jvp_innermost,
     live_levels,
     needs_grad,
+    outside_innermost,
     requires_grad_anywhere,
     storage_ptr,
     unwrap_all,
@@ -323,7 +326,7 @@ class _RematFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         spec = inputs[0]
-        ctx.spec = spec
+        ctx.spec, ctx.level = spec, current_level()  # (the level functorch applies it at: see outside_innermost)
         if spec.offload is not None:  # offloaded inputs are kept as copies (None saved here)
             ctx.save_for_backward(*spec.offload.save(inputs[1:], output, spec.rec and spec.rec.offloader))
         else:
@@ -361,14 +364,16 @@ class _RematFunction(torch.autograd.Function):
         detach = clear and not saved_tracked and not cots_tracked  # (nothing outside differentiates this backward)
         grads = tuple(unwrap_if_dead(g) if g is not None else None for g in grads)
         if spec.check and (spec.graph is not None or _replayable(spec)):  # (strict checks: debug, early_stop=False)
-            check_again(spec, tensors, wrt, out_diff, detach, _cotangents(spec, grads, out_diff))
+            check_again(spec, tensors, wrt, out_diff, detach, cotangents(spec, grads, out_diff))
         # (grad mode off: nothing records this backward; a forward-mode level would, see from_graph)
         quiet = (detach or not torch.is_grad_enabled()) and not forward_mode_active()
-        if quiet and spec.graph is not None and (not spec.batched or grad_on_top()):  # (batched saved tensors: see rebatch)
+        outer = _foreign(spec) and spec.foreign is True and outside_innermost(spec.levels, ctx.level)  # (.data, detach_, a hook:
+        graph = spec.graph is not None and (not spec.batched or grad_on_top()) and not outer  # the run again, see recompute_fn)
+        if quiet and graph:  # (batched saved tensors: see rebatch)
             return from_graph(spec, tensors, wrt, grads)
-        if clear and not saved_tracked and spec.graph is not None and (not spec.batched or grad_on_top()):
+        if clear and not saved_tracked and graph:
             return from_graph(spec, tensors, wrt, grads, linear=True)  # (eager autograd reaches the cotangents alone)
-        cot = _cotangents(spec, grads, out_diff)
+        cot = cotangents(spec, grads, out_diff)
         start = time.perf_counter()
         # The recorded forward, replayed (where an outer transform differentiates this backward, for a nested
         # region, under vmap): the regions nested in it replay as regions of their own
@@ -401,7 +406,7 @@ class _RematFunction(torch.autograd.Function):
         # again's gradient as it comes: what the function did out of the tape's sight counts there)
         unused = spec.unused if gin is not None else None
         if gin is None:
-            gin = rerun_vjp(spec, tensors, wrt, out_diff, detach, cot, start)
+            gin = rerun_vjp(spec, tensors, wrt, out_diff, detach, cot, start, outer=outer)
         # (an input no op of the forward read: None, as plain autograd leaves it; a run again, whose ops are checked
         # against the forward's, reads none either)
         for i, g in zip(wrt, gin):
@@ -456,12 +461,6 @@ def _foreign(spec: RegionState) -> bool:
         spec.foreign = foreign_functions(spec.roots, _RematFunction, spec.tape and spec.tape.functions)
         spec.roots = []
     return bool(spec.foreign)
-
-
-def _cotangents(spec: RegionState, grads, out_diff) -> tuple:
-    """The differentiable outputs' cotangents (zeros for those nobody differentiates)."""
-    return tuple(g if g is not None else torch.zeros(m[0], dtype=m[1], device=m[2])
-                 for g, m, d in zip(grads, spec.out_meta, out_diff) if d)
 
 
 def _run_span(fun, name: str, opts, args: tuple):

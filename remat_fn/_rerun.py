@@ -42,11 +42,13 @@ def check_again(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot) ->
         ) from e
 
 
-def rerun_vjp(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot, start: float, python: bool = False):
+def rerun_vjp(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot, start: float, python: bool = False,
+              outer: bool = False):
     """Backward by running the region again under ``torch.func.vjp`` (where no replay of
     the recorded forward stands in for it): the input gradients for ``cot``.  Its torch calls
-    replayed where recorded (see remat_fn._logical), unless ``python``: the function itself."""
-    f = recompute_fn(spec, tensors, wrt, out_diff, python=python)
+    replayed where recorded (see remat_fn._logical), unless ``python``: the function itself.
+    ``outer``: see recompute_fn."""
+    f = recompute_fn(spec, tensors, wrt, out_diff, python=python, outer=outer)
     # (ops whose results backward does not need are skipped where nothing outside differentiates it, see Tape.plan)
     plan = spec.plan if detach else None
 
@@ -70,7 +72,7 @@ def _under_jvp(f, *primals):
 
 
 def recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None = None, python: bool = False,
-                 under_jvp: bool = False):
+                 under_jvp: bool = False, outer: bool = False):
     """The region as a function of its differentiated inputs, returning its differentiable outputs
     (``side``: receives its side outputs, which the run left in the caller's objects), to run under
     a vjp level (backward's), or a jvp level (``under_jvp``: the jvp rule's).  That level stands
@@ -78,7 +80,9 @@ def recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None = 
     only: where the function read it (``spec.foreign``) and the call's innermost level was of the
     other kind, a level of that kind goes around it, for ``.data`` to strip (the levels below
     differentiate through it, as they do plain code's).  Autograd called inside: always under a
-    vjp level, as the forward ran it."""
+    vjp level, as the forward ran it.  ``outer``: the backward of the Function as functorch applies it
+    at a level outside the call's innermost (``outside_innermost``), which differentiates through what
+    ``.data``, ``detach_`` or a hook did there: a vjp level of its own inside, for them to act on."""
     def f(*diff_inputs):
         with torch.set_grad_enabled(spec.grad_mode):  # (the caller's mode, as the forward ran it)
             outs = checked_outputs(spec, spec.call(replace_at(tensors, wrt, diff_inputs), None, side is not None, python)[0])
@@ -90,6 +94,8 @@ def recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None = 
         return functools.partial(primal_under_vjp, f)
     if not under_jvp and spec.foreign is True and jvp_innermost(spec.levels):
         return functools.partial(_under_jvp, f)
+    if outer and not under_jvp:
+        return functools.partial(primal_under_vjp, f)
     return f
 
 
