@@ -142,13 +142,14 @@ def swap_view_of(t: torch.Tensor, x: torch.Tensor, counted: bool = True) -> None
             d.update({k: t for k, r in d.items() if r is v})
 
 
-def note_region_outputs(tensors, first=None) -> None:
+def note_region_outputs(tensors, first=None, foreign=None) -> None:
     """A nested region returned these tensors: for the enclosing region's :class:`CaptureMode` the call is
     one torch call that made them (no torch function sees the ``autograd.Function`` that produced them).
-    ``first``: its side outputs as the caller holds them, and its nested regions' (see CaptureMode.first)."""
+    ``first``: its side outputs as the caller holds them, and its nested regions' (see CaptureMode.first);
+    ``foreign``: what it did that no replay stands for (``.data``, ``detach_``, a hook, autograd inside)."""
     stack = AMBIENT.captures
     if stack:
-        stack[-1].region_call(tensors, first)
+        stack[-1].region_call(tensors, first, foreign)
 
 
 def first_run_of_nested() -> tuple[list, dict | None]:
@@ -441,10 +442,12 @@ class CaptureMode(TorchFunctionMode):
         arg_ids = {id(a) for a in args if isinstance(a, torch.Tensor)}
         return [(i, t) for i, t in enumerate(leaves) if id(t) not in arg_ids]
 
-    def region_call(self, outs, first=None) -> None:
+    def region_call(self, outs, first=None, foreign=None) -> None:
         """A region nested in this one returned ``outs`` (see note_region_outputs)."""
         if region_depth() != self.depth + 1:
             return
+        if foreign:  # (a replay of this region would replay the nested one without what it did there: both run again)
+            self.opaque, self.autograd = True, self.autograd or foreign == "autograd"
         if self.known is not None:
             self._note(outs)
             if first is not None:

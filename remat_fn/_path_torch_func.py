@@ -641,7 +641,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
                 hint(o, h)  # the next region may offload it (see Record.hint_outputs)
         if off.stored:
             call.drop_tensors()  # the call must not keep the offloaded inputs alive
-    note_region_outputs([*outs, *held], first)  # an enclosing region sees this call as one that made them
+    note_region_outputs([*outs, *held], first, spec.foreign)  # an enclosing region sees this call as one that made them
     del held, first, late
     result = spec.out_box[-1](outs)
     if any(spec.needs):
