@@ -222,9 +222,10 @@ def from_graph(spec, tensors, wrt, grads, linear: bool = False) -> tuple:
         spec.prof.record_recompute(spec.name, time.perf_counter() - start)
     result: list[Any] = [None] * (len(tensors) + 1)
     where = {i: k for k, i in enumerate(spec.wrt)}
+    unused = spec.unused  # (no output computed from it in grad mode: None, as plain autograd leaves it)
     for i in wrt:
         k = where.get(i)
-        if k is not None:
+        if k is not None and not (unused is not None and unused[i]):
             result[i + 1] = gin[k]
     return tuple(result)
 

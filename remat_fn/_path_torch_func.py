@@ -188,8 +188,8 @@ class _RematFunction(torch.autograd.Function):
                     spec.out_values = [output_value(tape, t) for t in o]
                     if spec.batched:  # (see replay_jvp, replay_vjp: how the recorded ops batch them)
                         spec.layers = ([batch_layers(t) for t in tensors], [batch_layers(t) for t in o])
-                    if spec.batched and all(is_vmap_kind(k) for k in spec.levels.values()):  # (eager autograd around vmap:
-                        # an input no output is computed from gets no gradient, None, as plain autograd gives it)
+                    if (all(is_vmap_kind(k) for k in spec.levels.values()) if spec.batched else any(unwrap_all(t).requires_grad for t in tensors)):
+                        # (eager autograd around: an input no output is computed from gets no gradient, None, as plain autograd gives it)
                         reach = inputs_reaching(tape, [t for t in o if differentiable(t)], [id(unwrap_all(t)) for t in tensors], True)
                         spec.unused = [not r for r in reach]
                     roots = [t.grad_fn for t in o if isinstance(t, torch.Tensor) and t.grad_fn is not None]

@@ -915,3 +915,37 @@ def test_side_output_under_vmap_of_jvp(kind, transform):
         return vmap(hessian(lambda z: g(z).sum() + (box[-1] ** 2).sum()))(x)
 
     assert_tree_close(run(remat), run(ident), rtol=1e-12, atol=1e-12)
+
+
+# -- an input no output is computed from in grad mode, eager autograd around grad (a hostile pass) ---
+def _no_grad_read(z, w):
+    with torch.no_grad():
+        c = z * w
+    return c * z
+
+
+def _closed_detached(z, w):
+    return z * w.detach() + z
+
+
+def _used(z, w):
+    return z * w
+
+
+@pytest.mark.parametrize("f", [_no_grad_read, _closed_detached, _used], ids=["read_under_no_grad", "detached", "used"])
+@pytest.mark.parametrize("policy", [None, dots_saveable])
+def test_a_closed_over_tensor_no_output_is_computed_from_gets_none_under_eager_autograd_around_grad(f, policy):
+    """Plain autograd leaves such a tensor's gradient None (an optimizer then skips it; ``allow_unused=False``
+    refuses); the forward level's graph gave zeros (a hostile pass). A tensor that is used keeps its gradient."""
+    x = torch.tensor([0.3, -1.2, 2.0, 0.7], dtype=torch.float64)
+    w = torch.tensor([0.9, 1.3, -0.4, 0.2], dtype=torch.float64, requires_grad=True)
+    results = []
+    for wrap in (ident, lambda g: remat(g, policy=policy)):
+        g = wrap(lambda z: f(z, w))
+        xl = x.clone().requires_grad_()
+        results.append(torch.autograd.grad(grad(lambda z: g(z).pow(2).sum())(xl).pow(2).sum(), (xl, w), allow_unused=True))
+    (px, pw), (rx, rw) = results
+    assert_tree_close(rx, px, rtol=1e-12, atol=1e-12)
+    assert (rw is None) == (pw is None), (rw, pw)
+    if pw is not None:
+        assert_tree_close(rw, pw, rtol=1e-12, atol=1e-12)
