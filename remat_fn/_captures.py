@@ -34,6 +34,7 @@ from ._functorch import (
     current_level,
     from_lowered_level,
     grad_mode_at,
+    is_vmap_kind,
     is_wrapped,
     needs_grad,
     requires_grad_anywhere,
@@ -53,8 +54,8 @@ from ._torch_internals import (
 )
 from ._unseen import note_alias
 
-__all__ = ["CaptureMode", "Known", "MissedCapture", "first_run_of_nested", "nested_in_forward", "note_region_inputs", "refs_counted",
-           "note_region_outputs", "substituted", "swap_view_of", "swap_side_output", "watched"]
+__all__ = ["CaptureMode", "Known", "MissedCapture", "first_run_of_nested", "logical_around", "nested_in_forward", "note_region_inputs",
+           "refs_counted", "note_region_outputs", "substituted", "swap_view_of", "swap_side_output", "watched"]
 
 _NULL = contextlib.nullcontext()
 
@@ -142,14 +143,23 @@ def swap_view_of(t: torch.Tensor, x: torch.Tensor, counted: bool = True) -> None
             d.update({k: t for k, r in d.items() if r is v})
 
 
-def note_region_outputs(tensors, first=None, foreign=None) -> None:
+def note_region_outputs(tensors, first=None, foreign=None, logical=None) -> None:
     """A nested region returned these tensors: for the enclosing region's :class:`CaptureMode` the call is
     one torch call that made them (no torch function sees the ``autograd.Function`` that produced them).
     ``first``: its side outputs as the caller holds them, and its nested regions' (see CaptureMode.first);
-    ``foreign``: what it did that no replay stands for (``.data``, ``detach_``, a hook, autograd inside)."""
+    ``foreign``: what it did that no replay stands for (``.data``, ``detach_``, a hook, autograd inside);
+    ``logical``: ``(inputs, n_out, its logical tape, options, name, grad mode, runner)`` where the enclosing
+    region records one (see LogicalTape.region)."""
     stack = AMBIENT.captures
     if stack:
-        stack[-1].region_call(tensors, first, foreign)
+        stack[-1].region_call(tensors, first, foreign, logical)
+
+
+def logical_around() -> bool:
+    """The region being called is nested in one whose forward records its torch calls (see remat_fn._logical):
+    it records its own, which stand for its function in a replay of the enclosing one."""
+    stack = AMBIENT.captures
+    return bool(stack) and stack[-1].logical is not None and region_depth() == stack[-1].depth + 1
 
 
 def first_run_of_nested() -> tuple[list, dict | None]:
@@ -442,7 +452,7 @@ class CaptureMode(TorchFunctionMode):
         arg_ids = {id(a) for a in args if isinstance(a, torch.Tensor)}
         return [(i, t) for i, t in enumerate(leaves) if id(t) not in arg_ids]
 
-    def region_call(self, outs, first=None, foreign=None) -> None:
+    def region_call(self, outs, first=None, foreign=None, logical=None) -> None:
         """A region nested in this one returned ``outs`` (see note_region_outputs)."""
         if region_depth() != self.depth + 1:
             return
@@ -453,7 +463,11 @@ class CaptureMode(TorchFunctionMode):
             if first is not None:
                 self.nested[self.calls] = first
         if self.logical is not None:
-            self.logical.fail()  # (a nested region: a run again runs it)
+            if logical is None or first is not None or len(outs) != logical[1]:  # (side outputs: a run again finds them)
+                self.logical.fail()
+            else:
+                self.logical.region(logical[0], *logical[2:])
+                self.logical.made(list(outs))
         self._made(self.calls, outs, ())
         self.calls += 1
 
@@ -504,8 +518,10 @@ class CaptureMode(TorchFunctionMode):
             self.autograd = self.autograd or func in _AUTOGRAD
             if not (func is _GRAD and transform_autograd(args, kwargs, self.base)):
                 self.opaque = True
-            if func is _HOOK and self.known is None and not requires_grad_anywhere(args[0]):
-                # (a forward-mode recomputation, which differentiates nothing: the hook has nothing to act on)
+            if func is _HOOK and ((self.known is None and not requires_grad_anywhere(args[0]))
+                                  or (self.levels and is_vmap_kind(self.levels[max(self.levels)]))):
+                # (a forward-mode recomputation, which differentiates nothing: the hook has nothing to act on; a vmap
+                # innermost at the call: plain code's hook on its batched tensor never fires, a hostile pass)
                 return RemovableHandle(_NO_HOOKS)
             if func == _DATA_GET and not is_wrapped(args[0]) and id(args[0]) in self.subst:  # (a tensor it closes over:
                 return self._done(func, func(args[0]), args, None)  # as plain code reads it; one of its calls)

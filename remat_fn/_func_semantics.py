@@ -425,7 +425,7 @@ class RegionState:
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
                  "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "batched", "replay", "widen", "apart", "unused", "unread",
                  "side_objs", "nested_side", "late_objs", "relocate", "check", "fwd", "fwd_only", "fwd_diff", "aliased", "aborted",
-                 "grad_left", "rev", "held_inputs", "rerun_objs", "given_ids", "layers", "logical")
+                 "grad_left", "rev", "held_inputs", "rerun_objs", "given_ids", "layers", "logical", "inner_wrapped")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -442,6 +442,7 @@ class RegionState:
         self.given_ids: list[int] = []  # ids of the inputs as the caller holds them (the Function's forward may see others)
         self.layers = None  # under vmap of forward mode: the batch layers of the inputs and outputs
         self.logical: LogicalTape | bool | None = None  # the forward's torch calls, where recorded (True: to record)
+        self.inner_wrapped: list[bool] = []  # (inputs the innermost differentiating level at the call wrapped, see recompute_fn)
         self.apart: list[bool] | None = None  # see remat_fn._functorch.apart_inputs
         self.unused: list[bool] | None = None  # (eager autograd around vmap: see _RematFunction.forward)
         self.unread: list[bool] | None = None  # per input: no op of the region read it (see unread_inputs)
@@ -624,7 +625,8 @@ class RegionState:
             )
         outs = outs + tuple(mode.grabbed[(c, i)] for c, ii in self.escapes.items() for i in ii)
         out = (outs, rebuild)
-        lost = [o for o in self.captured if id(o) in self.fwd_hits - mode.hits and not self._copied_constant(o)]
+        # (a replay of the recorded calls reads the forward's objects: a region nested in it may only have reached one)
+        lost = [] if run is not self.run else [o for o in self.captured if id(o) in self.fwd_hits - mode.hits and not self._copied_constant(o)]
         if lost:
             raise RematError(
                 f"remat({self.name}): the recomputation did not use the tensor "

@@ -19,7 +19,8 @@ __all__ = [
     "unwrap_all", "version_alias",
     "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead",
     "forward_mode_active", "forward_mode_at", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
-    "requires_grad_anywhere", "outside_innermost", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
+    "requires_grad_anywhere", "outside_innermost",
+    "wrapped_innermost", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
     "draws_batched", "batch_layers", "apart_inputs", "rebatch", "sum_levels", "grad_on_top", "vmaps_outermost", "current_level", "grad_mode_at",
     "transform_autograd", "above_vmaps", "jvp_innermost",
     "wrap_at_top", "differentiable", "peel_vmaps", "to_physical", "from_physical",
@@ -180,6 +181,16 @@ def outside_innermost(levels: dict | None, level: int) -> bool:
     or hook inside acted at that innermost level alone (the levels outside differentiate through it)."""
     inner = [lv for lv, kind in (levels or {}).items() if not is_vmap_kind(kind)]
     return bool(inner) and level < max(inner)
+
+
+def wrapped_innermost(levels: dict | None, tensors) -> list[bool]:
+    """Which of ``tensors`` the innermost differentiating level active at a call (``levels``) wraps: what its
+    ``.data`` or ``detach_`` strips from them there (see :func:`outside_innermost`)."""
+    inner = [lv for lv, kind in (levels or {}).items() if not is_vmap_kind(kind)]
+    if not inner:
+        return [False] * len(tensors)
+    top = max(inner)
+    return [isinstance(t, torch.Tensor) and any(lv == top for lv, _ in grad_wrappers(t)[0]) for t in tensors]
 
 
 def above_vmaps(levels: dict | None, inputs) -> bool:

@@ -28,6 +28,8 @@ seed set inside, a call that raised.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import weakref
 
 import optree
@@ -56,6 +58,16 @@ class _Made:
 
     def __init__(self, c: int, j: int):
         self.c, self.j = c, j
+
+
+class _Const:
+    """The ``i``-th tensor a nested region's tape reads from the enclosing region (what that region made, or
+    an argument of it): each replay of the enclosing one hands it anew (see :meth:`LogicalTape.region`)."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
 
 
 class _Gen:
@@ -205,6 +217,47 @@ class LogicalTape:
         for j, t in enumerate(made):
             self._ids[id(t)] = (weakref.ref(t), _Made(c, j))
 
+    def region(self, inputs, inner, opts, name: str, grad: bool, runner) -> None:
+        """A region nested in this one ran on ``inputs`` (its tensor arguments, as the function passed them),
+        then :meth:`made` its outputs.  ``inner``: its own tape, which stands for its function where a replay of
+        this one calls it again (``runner(function, name, options, inputs)``, a region call): the nested
+        region's forward runs again there, as the function's Python would run it, and that Python does not.
+        The tensors its tape reads from this region become arguments of that call, handed anew by each replay."""
+        if not self.ok:
+            return
+        if not isinstance(inner, LogicalTape) or opts.planner is not None:  # (a memory budget plans per function)
+            return self.fail()
+        c = len(self.calls)
+        consts: list = []
+        where: dict[int, int] = {}
+
+        def mapped(d):
+            if isinstance(d, torch.Tensor) and self._ref(d, c) is not d:
+                if id(d) not in where:
+                    where[id(d)] = len(consts)
+                    consts.append(d)
+                return _Const(where[id(d)])
+            return d
+
+        tape = LogicalTape.__new__(LogicalTape)
+        tape.ok, tape.rebuild, tape._ids, tape._last, tape._tape = True, inner.rebuild, {}, {}, None
+        tape.calls = [(f, [mapped(d) for d in desc], *rest) for f, desc, *rest in inner.calls]
+        tape.outs = [mapped(d) for d in inner.outs]
+        leaves = [*inputs, *consts]
+        desc = [self._ref(x, c) for x in leaves]
+        if any(d is None for d in desc):
+            return self.fail()
+        # (the tensors from outside both, as the replayed function's closure: the region threads them as its own;
+        # those of regions nested deeper too, which must not be this one's: no replay hands them down)
+        deeper = [t for f, *_ in inner.calls if type(f) is functools.partial and f.func is _nested_region for t in f.args[5]]
+        if any(self._ref(t, c) is not t for t in deeper):
+            return self.fail()
+        outside = [d for call in tape.calls for d in call[1] if isinstance(d, torch.Tensor)] + deeper
+        opts = dataclasses.replace(opts, static_argnums=(), static_argnames=frozenset())  # (its tensors, flat)
+        func = functools.partial(_nested_region, tape, len(inputs), opts, name, runner, outside)
+        self.calls.append([func, desc, optree.tree_flatten((tuple(leaves), {}), none_is_leaf=True)[1], grad, -1, ()])
+        self._mark = len(self._tape.nodes)
+
     def finish(self, outs, rebuild) -> LogicalTape | None:
         """The function returned ``outs`` (``rebuild``: their structure): this tape, or None where
         it cannot stand for the forward."""
@@ -230,21 +283,21 @@ class LogicalTape:
         self._ids, self._last, self._tape = {}, {}, None
         return self
 
-    def run(self, args) -> tuple:
+    def run(self, args, consts=()) -> tuple:
         """The recorded calls again on ``args`` (the function's arguments now): ``(outputs, rebuild)``,
         as the function returns them.  Each call's draws start from the default generators' states
-        the forward's did; the generators are put back after."""
+        the forward's did; the generators are put back after.  ``consts``: see :meth:`region`."""
         if not self.ok:
             raise AssertionError("a logical tape that failed is replayed")
         gens = {id(g): g for call in self.calls for g, _ in call[4]}
         before = [(g, g.get_state()) for g in gens.values()]
         try:
-            return self._run(args)
+            return self._run(args, consts)
         finally:
             for g, state in before:
                 g.set_state(state)
 
-    def _run(self, args) -> tuple:
+    def _run(self, args, consts) -> tuple:
         env: list = [None] * len(self.calls)
 
         def val(d):
@@ -253,6 +306,8 @@ class LogicalTape:
                 return args[d.k]
             if t is _Made:
                 return env[d.c][d.j]
+            if t is _Const:
+                return consts[d.i]
             if t is _Gen or t is _Array:
                 return d.fresh()
             return d
@@ -270,3 +325,17 @@ class LogicalTape:
             for cc, j in free:
                 env[cc][j] = None
         return tuple(val(d) for d in self.outs), self.rebuild
+
+
+def _nested_region(tape: LogicalTape, n: int, opts, name: str, runner, outside: list, *xs) -> tuple:
+    """A nested region's call in a replay of the region holding it (see :meth:`LogicalTape.region`): the
+    region's tensor outputs, in order."""
+    fun = functools.partial(_replayed, tape, list(xs[n:]), outside)
+    return tuple(t for t in optree.tree_leaves(runner(fun, name, opts, xs[:n]), none_is_leaf=True) if isinstance(t, torch.Tensor))
+
+
+def _replayed(tape: LogicalTape, consts: list, outside: list, *args):
+    """The nested region's function there: its recorded calls (``outside``: what they read from outside both
+    regions, held here for the region's walk of what its function closes over)."""
+    outs, rebuild = tape.run(args, consts)
+    return rebuild(outs)

@@ -22,11 +22,11 @@ import torch
 
 from ._ambient import AMBIENT
 from ._functorch import any_batched, unwrap_all
-from ._torch_internals import DisableTorchFunction, TorchDispatchMode, any_autocast_enabled, schema
+from ._torch_internals import DisableTorchFunction, TorchDispatchMode, any_autocast_enabled, generator_key, schema
 from ._torch_internals import mode_stack as _mode_stack
 
 __all__ = [
-    "op_info", "storage_key", "simple_args", "generator_of", "default_states", "is_default_generator", "devices_of", "held_copy",
+    "op_info", "storage_key", "simple_args", "generator_of", "default_states", "is_default_generator", "user_generator", "devices_of", "held_copy",
     "no_autocast", "ALIASING", "SEQ", "draw", "run_recorded", "user_modes", "reenter", "written_tensors", "arg_shapes",
     "arg_meta", "has_storage", "PLAIN", "METADATA_ONLY", "single_output", "placeholder", "private_copies", "DECOMPOSED",
     "copy_before_write", "DETACH", "PrivateWrites", "call_grad_mode", "bookkeeping", "follow", "untracked_stats",
@@ -262,9 +262,10 @@ def default_states(devices) -> tuple:
 
 def is_default_generator(g: torch.Generator) -> bool:
     """A device's default generator (one the region's RNG snapshot restores), not the caller's own."""
-    if g is torch.default_generator:
+    k = generator_key(g)
+    if k == generator_key(torch.default_generator):
         return True
-    return g.device.type != "cpu" and any(g is d for d in getattr(getattr(torch, g.device.type, None), "default_generators", ()))
+    return g.device.type != "cpu" and any(k == generator_key(d) for d in getattr(getattr(torch, g.device.type, None), "default_generators", ()))
 
 
 def _default_generators(devices) -> list:
@@ -304,6 +305,19 @@ def draw(node, func, args, kwargs):
     if drawing:  # (``g``: the private generator of a nested region's draw, see follow)
         node.rng = (g, node.rng[1], end)
     return out
+
+
+def user_generator(g: torch.Generator) -> torch.Generator:
+    """``g``, or where it is the private generator of a nested region's draw running now (see :func:`draw`),
+    the generator that draw stands for: the caller's."""
+    found = True
+    while found:
+        found = False
+        for mine, n in AMBIENT.draws:
+            if generator_key(g) == generator_key(mine):
+                g, found = n.rng[0], True
+                break
+    return g
 
 
 def follow(node, args, kwargs) -> None:

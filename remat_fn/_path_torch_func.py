@@ -41,7 +41,7 @@ import torch
 
 from ._ambient import AMBIENT
 from ._budget import Measuring
-from ._captures import Known, MissedCapture, nested_in_forward, note_region_inputs, note_region_outputs, refs_counted, substituted
+from ._captures import Known, MissedCapture, logical_around, nested_in_forward, note_region_inputs, note_region_outputs, refs_counted, substituted
 from ._closures import reachable_tensors
 from ._describe import describe
 from ._errors import RematError
@@ -108,6 +108,7 @@ from ._functorch import (
     unwrap_if_dead,
     version_alias,
     vmaps_outermost,
+    wrapped_innermost,
 )
 from ._offload import FuncInputs, hint, input_offloads
 from ._profile import storage_bytes
@@ -464,16 +465,15 @@ def _foreign(spec: RegionState) -> bool:
 
 
 def _run_span(fun, name: str, opts, args: tuple):
-    """A region nested in a replayed one, run as a region of its own (see remat_fn._replay_live)."""
+    """A region nested in a replayed one, run as a region of its own (see remat_fn._replay_live, LogicalTape.region)."""
     with entered():  # (one region deeper, as remat's call enters it: its Function is no op of the enclosing one's)
         return run_torch_func(RegionCall(fun, name, opts, args, {}))
 
 
 def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
-    """Run the region as a custom ``autograd.Function`` (under ``torch.func``, or
-    wherever saved-tensor hooks cannot be used); returns its output pytree.
-    ``calls_torch_func``: the function is known to call a ``torch.func``
-    transform itself (see :func:`keep_nothing`)."""
+    """Run the region as a custom ``autograd.Function`` (under ``torch.func``, or wherever saved-tensor hooks
+    cannot be used); returns its output pytree.  ``calls_torch_func``: the function is known to call a
+    ``torch.func`` transform itself (see :func:`keep_nothing`)."""
     deep_enough(region_depth())
     calls_torch_func = calls_torch_func or call.calls_torch_func
     given, expand = distinct_inputs(call.inputs)
@@ -530,9 +530,9 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         spec.batched = any(any_batched(t) for t in (*inputs, *closed))
         if spec.batched:
             spec.apart = apart_inputs(levels, (*inputs, *closed))
-            # (its torch calls recorded, remat_fn._logical: a level above a vmap differentiates the backward, or a vmap
-            # outside the grad level keeps apart the examples' gradients of an input it does not batch, see replay_vjp)
+            # (its torch calls recorded, see remat_fn._logical: above_vmaps, apart inputs, or nested in a region recording its own)
             spec.logical = above_vmaps(levels, (*inputs, *closed)) or (spec.apart is not None and not all(spec.apart)) or None
+        spec.logical = spec.logical or logical_around() or None
         spec.check = call.strict  # (a run again in backward checks the function; the gradient comes from the forward)
         rerun = (keep_graph and policy is not None) or (spec.offload is not None and spec.offload.rerun)
         if rerun or keep_graph or nested or (spec.batched and not vmaps_outermost(levels)):  # (nested: replays its recorded forward)
@@ -545,6 +545,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         spec.fwd = forward_mode_at(levels)  # (not stopped by no_grad: see forward_reached)
         # (and under no_grad, where the function may enable grad itself: its outputs tell, see mask)
         spec.needs = [needs_grad(t) and differentiable(t) for t in (*inputs, *closed)]
+        spec.inner_wrapped = wrapped_innermost(levels, (*inputs, *closed))  # (see recompute_fn)
         # (the inputs reverse mode differentiates: under forward mode the others, which only a jvp level
         # wraps, stay out of the forward's vjp level, see forward)
         if spec.fwd:
@@ -641,7 +642,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
                 hint(o, h)  # the next region may offload it (see Record.hint_outputs)
         if off.stored:
             call.drop_tensors()  # the call must not keep the offloaded inputs alive
-    note_region_outputs([*outs, *held], first, spec.foreign)  # an enclosing region sees this call as one that made them
+    note_region_outputs([*outs, *held], first, spec.foreign, ([given[k] for k in expand], n, spec.logical, call.opts, name, grad_mode, _run_span))
     del held, first, late
     result = spec.out_box[-1](outs)
     if any(spec.needs):

@@ -90,13 +90,32 @@ def recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None = 
             side[:] = outs[spec.n_out:]
         return tuple(o for o, d in zip(outs, out_diff) if d)
 
-    if under_jvp and (spec.foreign == "autograd" or (spec.foreign and spec.levels and not jvp_innermost(spec.levels))):
+    wrapped = [spec.inner_wrapped[i] if spec.inner_wrapped else True for i in wrt]  # (only those: .data of another
+    if under_jvp and spec.foreign == "autograd":  # strips its own outermost level, as in plain code)
         return functools.partial(primal_under_vjp, f)
+    if under_jvp and spec.foreign and spec.levels and not jvp_innermost(spec.levels):
+        return functools.partial(_inside, primal_under_vjp, f, wrapped)
     if not under_jvp and spec.foreign is True and jvp_innermost(spec.levels):
-        return functools.partial(_under_jvp, f)
+        return functools.partial(_inside, _under_jvp, f, wrapped)
     if outer and not under_jvp:
-        return functools.partial(primal_under_vjp, f)
+        return functools.partial(_inside, primal_under_vjp, f, wrapped)
     return f
+
+
+def _inside(level, f, wrapped: list[bool], *primals):
+    """``f(*primals)`` under a level of its own (``level(g, *primals)``: ``primal_under_vjp``, ``_under_jvp``)
+    that wraps the primals ``wrapped`` says only."""
+    at = [i for i, w in enumerate(wrapped) if w]
+    if not at:
+        return f(*primals)
+
+    def g(*some):
+        full = list(primals)
+        for i, t in zip(at, some):
+            full[i] = t
+        return f(*full)
+
+    return level(g, *[primals[i] for i in at])
 
 
 def checked_outputs(spec, outs):

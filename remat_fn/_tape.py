@@ -63,9 +63,11 @@ from ._ops import (
     simple_args,
     storage_id,
     storage_key,
+    user_generator,
     written_tensors,
 )
 from ._storage_copy import OutsideWrites, StorageCopy, from_copy, versioned_copy
+from ._torch_internals import generator_key
 from ._torch_internals import version as version_of
 from ._unseen import unseen_alias
 
@@ -169,7 +171,7 @@ class Tape(OutsideWrites):
         self.out_writes: list = []  # the last write into each output's storage (see _frame.output_value)
         self.made: set[int] = set()  # storages the region's ops allocated (see remat_fn._unseen)
         self.functions: dict = {}  # custom autograd.Function class -> every call a step of its own (see _replay_live)
-        self.first_draws: dict[int, tuple] = {}  # id -> (generator, its state before the forward's first draw from it)
+        self.first_draws: dict[int, tuple] = {}  # generator_key -> (generator, its state before the forward's first draw from it)
 
     def first_write(self, key: int, pos: int):
         """The write autograd expects into a tensor it saved at ``pos``: the first write into
@@ -329,8 +331,9 @@ class Tape(OutsideWrites):
                 node.rng = (torch.default_generator, states[0])  # (for restore_rng)
             else:
                 node.rng = None  # (it drew nothing: dropout_p=0, eval mode)
-        if node.rng is not None and node.rng[1] is not None and id(node.rng[0]) not in self.first_draws:
-            self.first_draws[id(node.rng[0])] = node.rng[:2]  # (for a run again of the function: RNGSnapshot.finish)
+        if node.rng is not None and node.rng[1] is not None:  # (for a run again of the function: RNGSnapshot.finish;
+            g = user_generator(node.rng[0])  # a nested region's draw: the caller's generator it stands for)
+            self.first_draws.setdefault(generator_key(g), (g, node.rng[1]))
         outs = node.outs
         fresh = not view and node.func not in ALIASING
         wrote = {id(t) for t in written_tensors(node.func, args, kwargs)} if writes and fresh else ()

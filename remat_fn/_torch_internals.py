@@ -55,7 +55,7 @@ import torch
 __all__ = [
     "SUPPORTED_TORCH", "push_hooks", "pop_hooks", "top_hooks", "hooks_enabled", "hooks_disabled_message",
     "enable_hooks", "disable_hooks", "set_version_counter", "functorch", "functorch_active",
-    "DisableTorchFunction", "set_grad_mode",
+    "DisableTorchFunction", "set_grad_mode", "generator_key",
     "DisableFuncTorch", "DisableTorchDispatch", "dispatch_stack_len", "function_mode_enabled", "TorchDispatchMode",
     "disable_current_modes", "mode_stack", "tree_leaves", "FakeTensorMode", "OpOverload", "OpOverloadPacket",
     "assert_async", "CachingTorchDispatchMode", "checkpoint_flag", "forward_ad_level", "version",
@@ -280,3 +280,9 @@ class TorchDispatchMode(_DispatchModeBase):  # type: ignore[misc, valid-type]
         raw = cls.__dict__.get("__torch_dispatch__")
         if _LAZY_SKIP and raw is not None and not isinstance(raw, classmethod):
             cls.__torch_dispatch__ = _skipped_by_dynamo(raw)  # type: ignore[method-assign]
+
+
+def generator_key(g: torch.Generator) -> int:
+    """The generator below ``g``: torch hands a ``__torch_dispatch__`` a Python object of its own for a
+    generator argument (``g is G`` fails for the caller's ``G``), over the same C++ generator."""
+    return g._cdata
