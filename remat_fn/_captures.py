@@ -54,8 +54,8 @@ from ._torch_internals import (
 )
 from ._unseen import note_alias
 
-__all__ = ["CaptureMode", "Known", "MissedCapture", "first_run_of_nested", "logical_around", "nested_in_forward", "note_region_inputs",
-           "refs_counted", "note_region_outputs", "substituted", "swap_view_of", "swap_side_output", "watched"]
+__all__ = ["CaptureMode", "Known", "MissedCapture", "first_run_of_nested", "innermost_kind", "logical_around", "nested_in_forward",
+           "note_region_inputs", "refs_counted", "note_region_outputs", "substituted", "swap_view_of", "swap_side_output", "watched"]
 
 _NULL = contextlib.nullcontext()
 
@@ -153,6 +153,18 @@ def note_region_outputs(tensors, first=None, foreign=None, logical=None) -> None
     stack = AMBIENT.captures
     if stack:
         stack[-1].region_call(tensors, first, foreign, logical)
+
+
+def innermost_kind(levels: dict | None):
+    """The innermost transform plain code would run a region's function under, called now at ``levels``: the
+    innermost of them an enclosing region's function made (a vmap inside it), or where none, that region's
+    (its own level, under which its function runs, stands for none: the transforms its call set aside do)."""
+    stack = AMBIENT.captures
+    enc = stack[-1] if stack else None
+    above = [lv for lv in levels or () if enc is None or lv > enc.base]
+    if above:
+        return levels[max(above)]  # type: ignore[index]
+    return enc.inner_kind if enc is not None else None
 
 
 def logical_around() -> bool:
@@ -270,6 +282,7 @@ class CaptureMode(TorchFunctionMode):
         self.depth = region_depth()
         # (the functorch level the function is called at: a transform it calls itself sits above)
         self.base = current_level()
+        self.inner_kind = None  # (the innermost transform plain code would run the function under: see innermost_kind)
         # the region's inputs (and their replacements), which it must not modify
         self.inputs = known.ids() | {id(r) for r in subst.values()} if known is not None else None
         self.input_storages = {p for t in (*inputs, *subst.values()) if (p := storage_ptr(t)) is not None}
@@ -518,8 +531,7 @@ class CaptureMode(TorchFunctionMode):
             self.autograd = self.autograd or func in _AUTOGRAD
             if not (func is _GRAD and transform_autograd(args, kwargs, self.base)):
                 self.opaque = True
-            if func is _HOOK and ((self.known is None and not requires_grad_anywhere(args[0]))
-                                  or (self.levels and is_vmap_kind(self.levels[max(self.levels)]))):
+            if func is _HOOK and ((self.known is None and not requires_grad_anywhere(args[0])) or is_vmap_kind(self.inner_kind)):
                 # (a forward-mode recomputation, which differentiates nothing: the hook has nothing to act on; a vmap
                 # innermost at the call: plain code's hook on its batched tensor never fires, a hostile pass)
                 return RemovableHandle(_NO_HOOKS)

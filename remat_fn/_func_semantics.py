@@ -35,7 +35,7 @@ from collections.abc import Iterator
 import optree
 import torch
 
-from ._captures import CaptureMode, Known, first_run_of_nested, swap_side_output, swap_view_of, watched
+from ._captures import CaptureMode, Known, first_run_of_nested, innermost_kind, swap_side_output, swap_view_of, watched
 from ._closures import Reachable, reachable_tensors
 from ._debug import CallTrace
 from ._describe import describe
@@ -425,7 +425,7 @@ class RegionState:
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
                  "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "batched", "replay", "widen", "apart", "unused", "unread",
                  "side_objs", "nested_side", "late_objs", "relocate", "check", "fwd", "fwd_only", "fwd_diff", "aliased", "aborted",
-                 "grad_left", "rev", "held_inputs", "rerun_objs", "given_ids", "layers", "logical", "inner_wrapped")
+                 "grad_left", "rev", "held_inputs", "rerun_objs", "given_ids", "layers", "logical", "inner_wrapped", "inner_kind")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -443,6 +443,7 @@ class RegionState:
         self.layers = None  # under vmap of forward mode: the batch layers of the inputs and outputs
         self.logical: LogicalTape | bool | None = None  # the forward's torch calls, where recorded (True: to record)
         self.inner_wrapped: list[bool] = []  # (inputs the innermost differentiating level at the call wrapped, see recompute_fn)
+        self.inner_kind = None  # (the innermost transform plain code would run the function under, see innermost_kind)
         self.apart: list[bool] | None = None  # see remat_fn._functorch.apart_inputs
         self.unused: list[bool] | None = None  # (eager autograd around vmap: see _RematFunction.forward)
         self.unread: list[bool] | None = None  # per input: no op of the region read it (see unread_inputs)
@@ -585,6 +586,9 @@ class RegionState:
                            inputs=() if recompute else tensors[:n],
                            grab=self.escapes if recompute else None, late=late, first=first)
         mode.levels, mode.where = self.levels, self.debug
+        if not recompute:  # (at the call: the enclosing regions' own levels aside)
+            self.inner_kind = innermost_kind(self.levels)
+        mode.inner_kind = self.inner_kind
         mode.tape = None if recompute else self.tape
         # (side outputs no_grad made, see _leaves; in an enclosing region's forward, for its levels)
         mode.every = 0 if recompute else watched(2 if self.vmapped else 1 if self.fwd else 0)

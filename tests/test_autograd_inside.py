@@ -535,3 +535,53 @@ def test_data_of_a_closed_over_leaf_requiring_grad_under_forward_over_reverse(tr
                 "jacfwd_grad": lambda: jacfwd(grad(f))(w)}[transform]()
 
     _close(run(remat), run(ident))
+
+
+# -- a hook under a vmap, .data of a tensor the innermost level does not wrap (hostile passes) ----
+def _hooked(calls):
+    def inner(x, w):
+        k = x.sin() * w
+        if k.requires_grad:
+            k.register_hook(lambda g: (calls.append(1), g * 3)[1])
+        return k
+    return inner
+
+
+_W3 = torch.tensor([1.5, 0.4, -0.8], dtype=D)
+_X3 = torch.tensor([0.3, -1.2, 0.7], dtype=D)
+_UNDER_VMAP = {
+    "eager_around_vmap": lambda f: (lambda x, w: torch.autograd.grad(
+        vmap(lambda xx: f(xx, w))(torch.stack([x, 2 * x])).sum(0).pow(2).sum(), (x, w)))(
+        _X3.clone().requires_grad_(), _W3.clone().requires_grad_()),
+    "grad_of_vmap": lambda f: grad(lambda x: vmap(lambda xx: f(xx, _W3))(torch.stack([x, 2 * x])).pow(2).sum())(_X3),
+    "jacrev_of_vmap": lambda f: torch.func.jacrev(lambda x: vmap(lambda xx: f(xx, _W3))(torch.stack([x, 2 * x])).pow(2).sum(1))(_X3),
+}
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["alone", "nested"])
+@pytest.mark.parametrize("transform", list(_UNDER_VMAP))
+def test_a_hook_inside_a_region_under_a_vmap_never_fires(transform, nested):
+    """Plain code's hook on a tensor a vmap innermost at the call batches never fires; the region's run
+    again registered it under a vjp level of its own, where it did: 3x plain's gradient (at 2f9f171
+    too; nested in a region, since the enclosing one runs again when the nested one hooks)."""
+    results = []
+    for wrap in (ident, remat):
+        calls: list = []
+        f = wrap(_hooked(calls))
+        g = wrap(lambda x, w: f(x * 1.0, w)) if nested and wrap is remat else f
+        results.append((_UNDER_VMAP[transform](g), len(calls)))
+    _close(results[1][0], results[0][0])
+    assert results[1][1] == results[0][1] == 0
+
+
+def test_data_of_a_closed_over_tensor_under_eager_autograd_around_vjp():
+    """``w.data`` strips the eager autograd ``w`` carries (vjp does not wrap it): the run again at the
+    eager level wrapped every input in a level of its own, ``w`` too, which ``.data`` stripped
+    instead (0.3 to 2.9 off, a regression of this session found by a hostile pass)."""
+    f = lambda x, w: (x * w.data).sin().sum() + (x * w).pow(2).sum()
+    results = []
+    for wrap in (ident, remat):
+        x, w = _X3.clone().requires_grad_(), _W3.clone().requires_grad_()
+        o, fn = vjp(lambda y: wrap(f)(y, w), x)
+        results.append(torch.autograd.grad(fn(o)[0].pow(2).sum(), (x, w)))
+    _close(results[1], results[0])
