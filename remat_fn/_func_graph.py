@@ -189,7 +189,7 @@ def release_outputs(douts) -> tuple:
     for t in douts:
         out.append(t.detach())  # (an enclosing region's tape records it: its replay makes it)
         t = unwrap_all(t)  # (under vmap: the batched tensor below the wrappers)
-        if t.numel() and t.layout == torch.strided and not is_view(t):
+        if t.numel() and t.layout == torch.strided and not is_view(t) and type(t) is torch.Tensor:  # (not a FakeTensor's)
             # (bookkeeping, no op of any region: modes stepped aside where there are any)
             with quiet() if dispatch_stack_len() or function_mode_enabled() else _NULL, DisableFuncTorch():
                 one = torch.empty(1, dtype=t.dtype, device=t.device)

@@ -22,11 +22,20 @@ import torch
 
 from ._ambient import AMBIENT
 from ._functorch import any_batched, unwrap_all
-from ._torch_internals import DisableTorchFunction, TorchDispatchMode, any_autocast_enabled, generator_key, schema
+from ._torch_internals import (
+    DisableFuncTorch,
+    DisableTorchDispatch,
+    DisableTorchFunction,
+    TorchDispatchMode,
+    any_autocast_enabled,
+    generator_key,
+    schema,
+)
 from ._torch_internals import mode_stack as _mode_stack
 
 __all__ = [
-    "op_info", "storage_key", "simple_args", "generator_of", "default_states", "is_default_generator", "user_generator", "devices_of", "held_copy",
+    "op_info", "storage_key", "simple_args", "generator_of", "default_states", "is_default_generator", "same_state", "user_generator",
+    "devices_of", "held_copy",
     "no_autocast", "ALIASING", "SEQ", "draw", "run_recorded", "user_modes", "reenter", "written_tensors", "arg_shapes",
     "arg_meta", "has_storage", "PLAIN", "METADATA_ONLY", "single_output", "placeholder", "private_copies", "DECOMPOSED",
     "copy_before_write", "DETACH", "PrivateWrites", "call_grad_mode", "bookkeeping", "follow", "untracked_stats",
@@ -260,6 +269,14 @@ def default_states(devices) -> tuple:
     return tuple(g.get_state() for g in _default_generators(devices))
 
 
+def same_state(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two generator states (byte tensors) are equal: compared below every mode, a fake tensor mode
+    around the region included (where ``torch.equal`` of real tensors raised, from inside a dispatch
+    handler: the process aborted), and seen by no torch function mode (no call of the function)."""
+    with DisableTorchFunction(), DisableFuncTorch(), DisableTorchDispatch():
+        return torch.equal(a, b)
+
+
 def is_default_generator(g: torch.Generator) -> bool:
     """A device's default generator (one the region's RNG snapshot restores), not the caller's own."""
     k = generator_key(g)
@@ -334,7 +351,7 @@ def follow(node, args, kwargs) -> None:
         return  # (no nested draw running, or this op ran live, from its live arguments)
     g = generator_of(node.func, args, kwargs, op_info(node.func)[6])
     mine = drawing[-1][0]
-    if g is None or g.device != mine.device or not torch.equal(g.get_state(), mine.get_state()):
+    if g is None or g.device != mine.device or not same_state(g.get_state(), mine.get_state()):
         return  # pragma: no cover - defensive: not the nested draw's generator
     for _, n in drawing:
         n.rng = (n.rng[0], rng[1], *n.rng[2:])

@@ -54,7 +54,7 @@ import torch
 
 from ._ambient import AMBIENT, SWITCHES
 from ._budget import BudgetPlanner
-from ._ops import is_default_generator
+from ._ops import is_default_generator, same_state
 from ._pytree import flatten_output
 from .policies import memory_budget, normalize_policy
 
@@ -397,12 +397,12 @@ class RNGSnapshot:
             self.note_draws(tape)
         if self.cpu is not None:
             now = torch.get_rng_state()
-            if torch.equal(now, self.cpu):  # (byte tensors)
+            if same_state(now, self.cpu):
                 self.cpu = None
         kept = []
         for d, s in self.devices:  # pragma: no cover - needs an accelerator
             now = _device_state_api(d).get_rng_state(d)
-            if not torch.equal(now, s):
+            if not same_state(now, s):
                 kept.append((d, s))
         self.devices = kept
         return self.cpu is not None or bool(self.devices) or bool(self.explicit)

@@ -44,7 +44,6 @@ import optree
 import torch
 
 from ._errors import RematError
-from ._functorch import unwrap_all
 from ._torch_internals import FakeTensorMode
 from ._transform import remat
 
@@ -232,9 +231,11 @@ def _empty_ys(f, init, xs):
         return torch.empty(t.shape[1:], dtype=t.dtype, device=t.device) if isinstance(t, torch.Tensor) else t
 
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            # (the shapes the step sees: under vmap the logical ones, not the batched tensor's below the wrappers,
+            # whose batch dims ended up in each y: 4x plain's gradient, a hostile pass)
             carry = optree.tree_map(
-                lambda t: mode.from_tensor(unwrap_all(t)) if isinstance(t, torch.Tensor) else t,
+                lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device) if isinstance(t, torch.Tensor) else t,
                 init, none_is_leaf=True)
             x = None if xs is None else optree.tree_map(step_input, xs, none_is_leaf=True)
             _, y = f(carry, x)

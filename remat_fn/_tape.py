@@ -60,6 +60,7 @@ from ._ops import (
     op_info,
     reenter,
     run_recorded,
+    same_state,
     simple_args,
     storage_id,
     storage_key,
@@ -324,7 +325,7 @@ class Tape(OutsideWrites):
         if node.probe is not None:
             devices, states = node.probe
             node.probe = None
-            if any(not torch.equal(a, b) for a, b in zip(states, default_states(devices))):
+            if any(not same_state(a, b) for a, b in zip(states, default_states(devices))):
                 # it drew, and takes no generator to hand a private one: replaying it would
                 # set a generator other threads draw from; its outputs are kept instead
                 self._hold(node, leaves, args, kwargs)

@@ -356,3 +356,15 @@ def test_scan_per_step_outputs_of_another_structure_are_refused(case):
     for checkpoints in ("all", "sqrt", 2):
         with pytest.raises(RematError, match="same pytree structure"):
             remat_scan(f, torch.zeros(1), xs, checkpoints=checkpoints)
+
+
+def test_scan_of_length_zero_under_vmap_stacks_the_logical_shape():
+    """A zero-length scan traces the step once for the shape of ``y``; under vmap it traced it on the batched
+    tensor below the wrappers, so each ``y`` carried the batch dim: ys (4, 0, 4, 3) for (4, 0, 3), and a
+    loss broadcasting over it gave 4x plain's gradient, silently (a hostile pass)."""
+    step = lambda c, x: (torch.tanh(c + x), torch.tanh(c + x) * 2)
+    xs = torch.zeros(0, 3)
+    h = torch.randn(4, 3)
+    assert vmap(lambda h: remat_scan(step, h, xs)[1])(h).shape == (4, 0, 3)
+    got = vmap(grad(lambda h: (lambda c, ys: (c + ys.sum(0)).sum())(*remat_scan(step, h, xs))))(h)
+    torch.testing.assert_close(got, torch.ones(4, 3))
