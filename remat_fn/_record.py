@@ -625,6 +625,8 @@ def checkpoint_name(x: Any, name: str) -> Any:
     """
     if not isinstance(name, str):
         raise TypeError(f"checkpoint_name expects a string name, got {name!r}")
+    if torch.compiler.is_compiling():  # (torch's checkpoint operator, which sees ops, not names: and a graph
+        return x  # break inside it, at the name's weak dictionary, left its selective cache refused: a hostile pass)
     for t in optree.tree_leaves(x):
         if isinstance(t, torch.Tensor):
             tag_name(t, name)  # asked about when it enters a region (offload_inputs, name policies)

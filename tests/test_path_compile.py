@@ -163,6 +163,29 @@ def test_compile_compat_checkpoint_as_torch_is_called():
     assert res["kwargs_dict"] and res["sequential"]
 
 
+def test_compile_checkpoint_name_inside_a_region():
+    # a hostile pass: checkpoint_name inside a region under torch.compile broke the graph inside torch's
+    # checkpoint operator (its weak dictionary of names), and with an op-saving policy the eager fallback
+    # raised "Tensor cached during selective activation checkpoint has been mutated"; under compile the
+    # operator sees ops, not names: checkpoint_name is the identity there
+    res = _run(
+        """
+        from remat_fn import checkpoint_name
+        from remat_fn.policies import dots_saveable, save_only_these_names
+        f = lambda x: torch.relu(checkpoint_name(x @ w1, "h") @ w2).sin()
+        out = {}
+        for name, pol in (("dots", dots_saveable), ("names", save_only_these_names("h")), ("none", None)):
+            torch._dynamo.reset()
+            g = torch.compile(lambda x: remat_fn.remat(f, policy=pol)(x).sum(), backend="aot_eager", fullgraph=True)
+            want = torch.autograd.grad(f(x).sum(), (x, w1, w2))
+            got = torch.autograd.grad(g(x), (x, w1, w2))
+            out[name] = all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(got, want))
+        print(json.dumps(out))
+        """
+    )
+    assert res == {"dots": True, "names": True, "none": True}, res
+
+
 def test_compile_fullgraph_over_remat_module_with_a_policy():
     # issue 31: torch.compile(model, fullgraph=True) over remat_module(..., policy=...)
     # broke the graph on a torch.compiler.disable'd helper; the policy still decides
