@@ -1,7 +1,7 @@
 """Levels above a vmap: MAML's meta-gradient (``grad(vmap(grad))``) and per-task
 Hessian-vector products (``vmap(jvp(grad))``) over a pre-LN MLP whose blocks are regions; and
 a vmap keeping apart the per-task gradients of weights it does not batch where the forward
-level's graph does not serve (``vmap(jacrev)``; ``vmap(grad)`` given parameters that require
+level's graph does not serve; each also with pairs of block regions nested in a region (``vmap(jacrev)``; ``vmap(grad)`` given parameters that require
 grad, which eager autograd may differentiate).  Backward replays the forward's torch calls
 there (``remat_fn/_logical.py``): measured are the live-bytes peak of one step, the blocks'
 Python calls (plain code's count: once per forward), and the step time against no remat,
@@ -38,7 +38,12 @@ def run(quick: bool) -> dict:
             return block(h)
         return f
 
-    variants = {"no remat": [counted(b) for b in net.blocks], "remat": [remat(counted(b)) for b in net.blocks]}
+    def pair(a, b):  # (a region holding two regions: nested, replayed as regions of their own)
+        return remat(lambda h: b(a(h)))
+
+    inner = [remat(counted(b)) for b in net.blocks]
+    variants = {"no remat": [counted(b) for b in net.blocks], "remat": inner,
+                "remat, nested (pairs of block regions in a region)": [pair(inner[i], inner[i + 1]) for i in range(0, depth - 1, 2)]}
 
     def loss(p, x, y):
         return (functional_call(net, p, (x,)) - y).pow(2).mean()
