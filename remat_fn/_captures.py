@@ -36,6 +36,7 @@ from ._functorch import (
     grad_mode_at,
     is_vmap_kind,
     is_wrapped,
+    live_levels,
     needs_grad,
     requires_grad_anywhere,
     storage_ptr,
@@ -469,7 +470,9 @@ class CaptureMode(TorchFunctionMode):
         """A region nested in this one returned ``outs`` (see note_region_outputs)."""
         if region_depth() != self.depth + 1:
             return
-        if foreign:  # (a replay of this region would replay the nested one without what it did there: both run again)
+        # (a replay of this region would replay the nested one without what it did there: both run again; not where
+        # the function called it under a transform of its own, whose backward this region's ops hold, hook included)
+        if foreign and current_level() <= self.base:
             self.opaque, self.autograd = True, self.autograd or foreign == "autograd"
         if self.known is not None:
             self._note(outs)
@@ -531,7 +534,9 @@ class CaptureMode(TorchFunctionMode):
             self.autograd = self.autograd or func in _AUTOGRAD
             if not (func is _GRAD and transform_autograd(args, kwargs, self.base)):
                 self.opaque = True
-            if func is _HOOK and ((self.known is None and not requires_grad_anywhere(args[0])) or is_vmap_kind(self.inner_kind)):
+            # (the innermost transform there: one the function entered itself, else the call's, see innermost_kind)
+            if func is _HOOK and ((self.known is None and not requires_grad_anywhere(args[0])) or is_vmap_kind(
+                    live_levels().get(current_level()) if current_level() > self.base else self.inner_kind)):
                 # (a forward-mode recomputation, which differentiates nothing: the hook has nothing to act on; a vmap
                 # innermost at the call: plain code's hook on its batched tensor never fires, a hostile pass)
                 return RemovableHandle(_NO_HOOKS)

@@ -28,7 +28,6 @@ seed set inside, a call that raised.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import weakref
 
@@ -253,7 +252,6 @@ class LogicalTape:
         if any(self._ref(t, c) is not t for t in deeper):
             return self.fail()
         outside = [d for call in tape.calls for d in call[1] if isinstance(d, torch.Tensor)] + deeper
-        opts = dataclasses.replace(opts, static_argnums=(), static_argnames=frozenset())  # (its tensors, flat)
         func = functools.partial(_nested_region, tape, len(inputs), opts, name, runner, outside)
         self.calls.append([func, desc, optree.tree_flatten((tuple(leaves), {}), none_is_leaf=True)[1], grad, -1, ()])
         self._mark = len(self._tape.nodes)

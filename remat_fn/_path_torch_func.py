@@ -467,7 +467,7 @@ def _foreign(spec: RegionState) -> bool:
 def _run_span(fun, name: str, opts, args: tuple):
     """A region nested in a replayed one, run as a region of its own (see remat_fn._replay_live, LogicalTape.region)."""
     with entered():  # (one region deeper, as remat's call enters it: its Function is no op of the enclosing one's)
-        return run_torch_func(RegionCall(fun, name, opts, args, {}))
+        return run_torch_func(RegionCall(fun, name, opts.flat(), args, {}))  # (its tensors, flat: no static arguments)
 
 
 def run_torch_func(call: RegionCall, calls_torch_func: bool = False):

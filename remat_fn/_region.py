@@ -140,6 +140,12 @@ class Options:
                    planner=BudgetPlanner(policy) if isinstance(policy, memory_budget) else None,
                    outer_hooks=outer_hooks)
 
+    def flat(self) -> Options:
+        """These options for the region's function as a replay runs it: on its tensors, flat (no static arguments)."""
+        if not self.static_argnums and not self.static_argnames:
+            return self
+        return dataclasses.replace(self, static_argnums=(), static_argnames=frozenset())
+
     def public(self) -> dict[str, Any]:
         """The options as ``remat(...)`` takes them (``wrapper.remat_options``)."""
         return dict(policy=self.policy, static_argnums=self.static_argnums,

@@ -585,3 +585,44 @@ def test_data_of_a_closed_over_tensor_under_eager_autograd_around_vjp():
         o, fn = vjp(lambda y: wrap(f)(y, w), x)
         results.append(torch.autograd.grad(fn(o)[0].pow(2).sum(), (x, w)))
     _close(results[1], results[0])
+
+
+def test_a_hook_inside_the_functions_own_grad_under_a_vmap():
+    """The innermost transform at the hook is the function's own ``grad``, not the vmap the region is
+    called under: the hook fires as in plain code (it was dropped, 8 to 250 off, a regression of this
+    session found by a hostile pass)."""
+    X = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(3))
+
+    def g(x):
+        def loss(z):
+            v = z.sin() * 2
+            v.register_hook(lambda gr: gr * 3)
+            return (v ** 2).sum()
+        return grad(loss)(x)
+
+    _close(vmap(remat(g))(X), vmap(g)(X))
+    _close(grad(lambda x: vmap(remat(g))(x).pow(2).sum())(X), grad(lambda x: vmap(g)(x).pow(2).sum())(X))
+
+
+def test_a_hook_in_a_region_nested_under_the_enclosing_functions_own_grad_fires_once():
+    """The nested region's hook acts inside the enclosing function's own ``grad``, whose backward the
+    enclosing region's recorded ops hold: it replays, and the hook fires once, as in plain code (the
+    enclosing region ran again, firing it twice; a hostile pass)."""
+    X = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(3))
+
+    def run(wrap):
+        fired: list = []
+
+        def inner(z):
+            v = z.sin() * 2
+            if v.requires_grad:
+                v.register_hook(lambda g: (fired.append(1), g * 3)[1])
+            return (v ** 2).sum()
+        outer = wrap(lambda x: grad(wrap(inner))(x))
+        x = X.clone().requires_grad_()
+        out = vmap(outer)(x)
+        return out, torch.autograd.grad(out.pow(2).sum(), x)[0], len(fired)
+
+    (o1, g1, n1), (o2, g2, n2) = run(ident), run(remat)
+    _close((o2, g2), (o1, g1))
+    assert n2 == n1 == 1

@@ -343,3 +343,14 @@ def test_per_sample_gradients_of_blocks_whose_parameters_require_grad(step):
     got, n_remat = run(remat)
     assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
     assert n_remat == n_plain == 2
+
+
+@pytest.mark.parametrize("composition", ["vmap_hessian", "vmap_grad_grad", "vmap_jvp_grad", "grad_vmap_grad"])
+def test_a_nested_region_with_static_arguments(composition):
+    """A nested region given a static argument, replayed as a region on its tensors: its options kept
+    ``static_argnums`` and the replay's call, flat, was refused ("static_argnums contains 1, but ... was
+    called with 1 positional arguments"; at 2f9f171 too, a hostile pass)."""
+    def make(wrap):
+        g = wrap(lambda u, k: (u * k).sin(), static_argnums=(1,)) if wrap is remat else (lambda u, k: (u * k).sin())
+        return wrap(lambda w, x: g(x @ w, 3.0).sum())
+    assert_tree_close(_COMPOSITIONS[composition](make(remat)), _COMPOSITIONS[composition](make(ident)), rtol=1e-10, atol=1e-10)
