@@ -18,12 +18,13 @@ gradient.
 It is recorded where the caller asks (``RegionState.logical``): a level above a vmap may differentiate
 the backward (see above_vmaps), or a vmap outside the grad level keeps apart the examples' gradients of
 an input it does not batch (``RegionState.apart``), which a replay of the batched ops would sum
-(``vmap(jacrev(f))``, ``vmap(grad(vmap(f)))``, a vjp_fn under the vmap).  A forward the tape
-cannot stand for is not recorded (the run again stays): a region calling a custom
-``autograd.Function`` or holding a nested region, calling ``torch.func`` itself, reading ``.data``,
-a hook or ``autograd`` inside, a tensor made where no torch function mode sees it, an argument that
-is no tensor, generator, numpy array or number, or immutable value, autocast or inference mode changed inside, the global
-seed set inside, a call that raised.
+(``vmap(jacrev(f))``, ``vmap(grad(vmap(f)))``, a vjp_fn under the vmap); and in a region nested in
+one that records, whose call the enclosing tape holds as one call (see :meth:`LogicalTape.region`).
+A forward the tape cannot stand for is not recorded (the run again stays): a region calling a custom
+``autograd.Function``, holding a nested region with side outputs or a memory budget, calling
+``torch.func`` itself, reading ``.data``, a hook or ``autograd`` inside, a tensor made where no torch
+function mode sees it, an argument that is no tensor, generator, numpy array or number, or immutable
+value, autocast or inference mode changed inside, the global seed set inside, a call that raised.
 """
 
 from __future__ import annotations
