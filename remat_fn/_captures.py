@@ -30,13 +30,13 @@ from ._describe import call_meta, describe, user_frame
 from ._errors import mutated_input
 from ._function_steps import forward_below, function_steps, invisible
 from ._functorch import (
+    batched_first,
     carries_grad,
     current_level,
     from_lowered_level,
     grad_mode_at,
     is_vmap_kind,
     is_wrapped,
-    live_levels,
     needs_grad,
     requires_grad_anywhere,
     storage_ptr,
@@ -534,11 +534,11 @@ class CaptureMode(TorchFunctionMode):
             self.autograd = self.autograd or func in _AUTOGRAD
             if not (func is _GRAD and transform_autograd(args, kwargs, self.base)):
                 self.opaque = True
-            # (the innermost transform there: one the function entered itself, else the call's, see innermost_kind)
-            if func is _HOOK and ((self.known is None and not requires_grad_anywhere(args[0])) or is_vmap_kind(
-                    live_levels().get(current_level()) if current_level() > self.base else self.inner_kind)):
-                # (a forward-mode recomputation, which differentiates nothing: the hook has nothing to act on; a vmap
-                # innermost at the call: plain code's hook on its batched tensor never fires, a hostile pass)
+            if func is _HOOK and ((self.known is None and not requires_grad_anywhere(args[0])) or (batched_first(args[0], self.base)
+                                  and (current_level() > self.base or is_vmap_kind(self.inner_kind)))):
+                # (a forward-mode recomputation, which differentiates nothing: the hook has nothing to act on; a tensor plain
+                # code holds batched, where the innermost transform is a vmap (one the function entered itself, else the
+                # call's, see innermost_kind): plain code's hook never fires on it; hostile passes)
                 return RemovableHandle(_NO_HOOKS)
             if func == _DATA_GET and not is_wrapped(args[0]) and id(args[0]) in self.subst:  # (a tensor it closes over:
                 return self._done(func, func(args[0]), args, None)  # as plain code reads it; one of its calls)

@@ -18,7 +18,7 @@ __all__ = [
     "C", "transforms_active", "transform_stack", "transform_kinds", "is_wrapped", "unwrap_one",
     "unwrap_all", "version_alias",
     "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead",
-    "forward_mode_active", "forward_mode_at", "nested_forward_mode", "carries_grad", "any_batched", "from_lowered_level",
+    "forward_mode_active", "forward_mode_at", "nested_forward_mode", "carries_grad", "any_batched", "batched_first", "from_lowered_level",
     "requires_grad_anywhere", "outside_innermost",
     "wrapped_innermost", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
     "draws_batched", "batch_layers", "apart_inputs", "rebatch", "sum_levels", "grad_on_top", "vmaps_outermost", "current_level", "grad_mode_at",
@@ -130,6 +130,16 @@ def any_batched(t: torch.Tensor) -> bool:
     while C.is_functorch_wrapped_tensor(t):
         if C.is_batchedtensor(t):
             return True
+        t = C.get_unwrapped(t)
+    return False
+
+
+def batched_first(t: torch.Tensor, skip: int) -> bool:
+    """The first functorch wrapper of ``t`` other than those of level ``skip`` (the level a region runs its
+    function under, its own) is a vmap's: plain code holds a batched tensor there."""
+    while C.is_functorch_wrapped_tensor(t):
+        if C.maybe_get_level(t) != skip:
+            return bool(C.is_batchedtensor(t))
         t = C.get_unwrapped(t)
     return False
 
