@@ -228,15 +228,20 @@ class LogicalTape:
         if not isinstance(inner, LogicalTape) or opts.planner is not None:  # (a memory budget plans per function)
             return self.fail()
         c = len(self.calls)
-        consts: list = []
+        consts: list = []  # (the tensors from this region, and their descriptors here)
+        refs: list = []
         where: dict[int, int] = {}
 
         def mapped(d):
-            if isinstance(d, torch.Tensor) and self._ref(d, c) is not d:
-                if id(d) not in where:
+            if isinstance(d, torch.Tensor):
+                if id(d) in where:
+                    return _Const(where[id(d)])
+                r = self._ref(d, c)
+                if r is not d:
                     where[id(d)] = len(consts)
                     consts.append(d)
-                return _Const(where[id(d)])
+                    refs.append(r)
+                    return _Const(where[id(d)])
             return d
 
         tape = LogicalTape.__new__(LogicalTape)
@@ -244,7 +249,7 @@ class LogicalTape:
         tape.calls = [(f, [mapped(d) for d in desc], *rest) for f, desc, *rest in inner.calls]
         tape.outs = [mapped(d) for d in inner.outs]
         leaves = [*inputs, *consts]
-        desc = [self._ref(x, c) for x in leaves]
+        desc = [self._ref(x, c) for x in inputs] + refs
         if any(d is None for d in desc):
             return self.fail()
         # (the tensors from outside both, as the replayed function's closure: the region threads them as its own;

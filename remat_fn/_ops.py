@@ -327,13 +327,9 @@ def draw(node, func, args, kwargs):
 def user_generator(g: torch.Generator) -> torch.Generator:
     """``g``, or where it is the private generator of a nested region's draw running now (see :func:`draw`),
     the generator that draw stands for: the caller's."""
-    found = True
-    while found:
-        found = False
-        for mine, n in AMBIENT.draws:
-            if generator_key(g) == generator_key(mine):
-                g, found = n.rng[0], True
-                break
+    stands_for = {generator_key(mine): n for mine, n in AMBIENT.draws}
+    while (n := stands_for.pop(generator_key(g), None)) is not None:
+        g = n.rng[0]
     return g
 
 

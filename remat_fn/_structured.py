@@ -227,17 +227,14 @@ def _stack(ys: list):
 def _empty_ys(f, init, xs):
     """The stacked outputs of a zero-length scan: like ``lax.scan``, ``f`` is traced
     once (here on fake tensors: no compute, no RNG draw) for the shape of ``y``."""
-    def step_input(t):
-        return torch.empty(t.shape[1:], dtype=t.dtype, device=t.device) if isinstance(t, torch.Tensor) else t
+    def like(t, lead: int):  # (t's logical shape without its ``lead`` first dims: under vmap not the batched
+        # tensor's below the wrappers, whose batch dims ended up in each y: 4x plain's gradient, a hostile pass)
+        return torch.empty(t.shape[lead:], dtype=t.dtype, device=t.device) if isinstance(t, torch.Tensor) else t
 
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
-            # (the shapes the step sees: under vmap the logical ones, not the batched tensor's below the wrappers,
-            # whose batch dims ended up in each y: 4x plain's gradient, a hostile pass)
-            carry = optree.tree_map(
-                lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device) if isinstance(t, torch.Tensor) else t,
-                init, none_is_leaf=True)
-            x = None if xs is None else optree.tree_map(step_input, xs, none_is_leaf=True)
+            carry = optree.tree_map(lambda t: like(t, 0), init, none_is_leaf=True)
+            x = None if xs is None else optree.tree_map(lambda t: like(t, 1), xs, none_is_leaf=True)
             _, y = f(carry, x)
             # shapes only: fake tensors must not outlive their mode
             meta = optree.tree_map(_EmptyLike, y, none_is_leaf=True)
