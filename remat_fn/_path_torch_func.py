@@ -52,6 +52,7 @@ from ._func_graph import (
     alias_map,
     alias_output,
     batched_outputs,
+    detached_alias,
     distinct_objects,
     foreign_functions,
     from_graph,
@@ -98,6 +99,7 @@ from ._functorch import (
     grad_on_top,
     grad_wrappers,
     is_vmap_kind,
+    is_wrapped,
     jvp_innermost,
     live_levels,
     needs_grad,
@@ -181,7 +183,7 @@ class _RematFunction(torch.autograd.Function):
                 cands = [(p, weakref.ref(t)) for p, t in spec.escaped]
                 spec.escaped = []  # (a candidate nothing else held died here: no side output)
                 pos, refs = [list(x) for x in zip(*[c for c in cands if c[1]() is not None])] or ([], [])
-                o = o + tuple(r() for r in refs)
+                o = o + tuple(unwrap_if_dead(r()) for r in refs)  # (one of an exited transform: as functorch reads it)
                 returned_ids.update(id(unwrap_all(t)) for t in o if isinstance(t, torch.Tensor))
                 own.update(input_places(tape, o, tensors))
                 # (see _replay_live; draws under vmap: a replay of the batched ops draws them as they were)
@@ -258,9 +260,8 @@ class _RematFunction(torch.autograd.Function):
             for k in side:
                 c, i = pos[k]
                 spec.escapes.setdefault(c, []).append(i)
-            # (one no level wrapped, made by a region nested in this one where nothing needs a
-            # gradient: the caller's object itself, which takes the content of an alias of it)
-            outs = outs[:n] + tuple(outs[n + k].detach() if outs[n + k] is alive[k] else outs[n + k] for k in side)
+            # (the caller's object itself, or a wrapper holding it of a transform the function entered: takes an alias's content)
+            outs = outs[:n] + tuple(detached_alias(outs[n + k]) if outs[n + k] is alive[k] or is_wrapped(alive[k]) else outs[n + k] for k in side)
             del alive
             if frame is not None:  # each output's position among the level's differentiated outputs
                 at = [sum(mask[:i]) if d else None for i, d in enumerate(mask)]
@@ -408,8 +409,7 @@ class _RematFunction(torch.autograd.Function):
         unused = spec.unused if gin is not None else None
         if gin is None:
             gin = rerun_vjp(spec, tensors, wrt, out_diff, detach, cot, start, outer=outer)
-        # (an input no op of the forward read: None, as plain autograd leaves it; a run again, whose ops are checked
-        # against the forward's, reads none either)
+        # (an input no op of the forward read: None, as plain autograd leaves it; a run again's ops, checked, read none either)
         for i, g in zip(wrt, gin):
             result[i + 1] = None if (unused is not None and unused[i]) or (unread is not None and unread[i]) else g
         return tuple(result)

@@ -233,6 +233,14 @@ class Tape(OutsideWrites):
             return v
         return None
 
+    def alias(self, new: torch.Tensor, old: torch.Tensor) -> None:
+        """``new``, a detached alias of ``old`` made as bookkeeping (what a nested region's Function
+        returns for its output, see remat_fn._func_graph.release_outputs), holds ``old``'s Value: the
+        replay reads what it makes for ``old``, differentiable where that is."""
+        if self.reg is not None:
+            v = self.value_of(old) or self.lookup(old)
+            self.reg[id(new)] = (v, weakref.ref(new)) if v.node >= 0 else (v, new)
+
     def write_before(self, t: torch.Tensor) -> Value | None:
         """The last write into ``t``'s storage (through a view, say), which a saved ``t``
         depends on too."""
