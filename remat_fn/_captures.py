@@ -307,6 +307,8 @@ class CaptureMode(TorchFunctionMode):
         self.counts_inputs = False  # a run again that looks for the inputs it stores (see refs_counted)
         self.tape = None  # the region's own tape, in its forward (see _made_inside)
         self.logical = None  # the forward's torch calls, where recorded (see remat_fn._logical)
+        self.hook_on: dict | None = None  # id(an input as the function gets it) -> the caller's tensor (see _hook_outside), and
+        self.hooked: list = []  # the handles of the hooks put on the caller's tensors
 
     def _fix(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -529,17 +531,19 @@ class CaptureMode(TorchFunctionMode):
         if logical is not None and region_depth() != self.depth:
             logical = None
         if func in _DATA:
-            if logical is not None:
-                logical.fail()
-            self.autograd = self.autograd or func in _AUTOGRAD
-            if not (func is _GRAD and transform_autograd(args, kwargs, self.base)):
-                self.opaque = True
             if func is _HOOK and ((self.known is None and not requires_grad_anywhere(args[0])) or (batched_first(args[0], self.base)
                                   and (current_level() > self.base or is_vmap_kind(self.inner_kind)))):
                 # (a forward-mode recomputation, which differentiates nothing: the hook has nothing to act on; a tensor plain
                 # code holds batched, where the innermost transform is a vmap (one the function entered itself, else the
                 # call's, see innermost_kind): plain code's hook never fires on it; hostile passes)
                 return RemovableHandle(_NO_HOOKS)
+            if func is _HOOK and (h := self._hook_outside(args, kwargs)) is not None:
+                return h
+            if logical is not None:
+                logical.fail()
+            self.autograd = self.autograd or func in _AUTOGRAD
+            if not (func is _GRAD and transform_autograd(args, kwargs, self.base)):
+                self.opaque = True
             if func == _DATA_GET and not is_wrapped(args[0]) and id(args[0]) in self.subst:  # (a tensor it closes over:
                 return self._done(func, func(args[0]), args, None)  # as plain code reads it; one of its calls)
         if func in _METADATA:  # (reads no values: nothing to thread, whatever tensor it is)
@@ -554,8 +558,7 @@ class CaptureMode(TorchFunctionMode):
         out = None
         if args and in_place(func) and isinstance(a0 := args[0], torch.Tensor):
             inputs = self.inputs
-            if ((inputs is not None and id(a0) in inputs)
-                    or (self.input_storages and storage_ptr(a0) in self.input_storages)):
+            if (inputs is not None and id(a0) in inputs) or (self.input_storages and storage_ptr(a0) in self.input_storages):
                 raise mutated_input(self.name, a0)
             if isinstance(given, torch.Tensor) and given is not a0 and from_lowered_level(given):
                 a0 = given
@@ -580,6 +583,27 @@ class CaptureMode(TorchFunctionMode):
             finally:
                 AMBIENT.call_grad = grad
         return self._done(func, out, args, logical)
+
+    def _hook_outside(self, args, kwargs) -> RemovableHandle | None:
+        """A hook on an argument or a closed-over tensor (of the enclosing regions too) goes on the caller's tensor, as
+        plain code's: it sees that tensor's whole gradient, also used outside (the Function's input saw the region's share:
+        4.1 off under ``grad``, silently, until this); a run again registers nothing; on a tensor an enclosing region made,
+        that region's backward code (``opaque``).  None: one this region made (its own backward code)."""
+        t, modes = args[0], AMBIENT.captures
+        if self.hook_on is None or not modes or modes[-1] is not self or (id(t) not in self.hook_on and id(t) not in self.threaded):
+            return None
+        for m in reversed(modes):
+            on = m.hook_on or {}
+            if id(t) not in on and id(t) not in m.threaded:  # (made by that region: its backward code)
+                m.opaque, _ = True, m.logical is not None and m.logical.fail()
+                break
+            if m.known is None:  # (a run again: its forward put the hook on the caller's tensor)
+                return RemovableHandle(_NO_HOOKS)
+            t = on.get(id(t), t)
+        handle = t.register_hook(*args[1:], **(kwargs or {}))
+        for m in modes:  # (removed if a try of any of them stops: see RegionState._call)
+            m.hooked.append(handle)
+        return handle
 
     def _done(self, func, out, args, logical):
         """The call ``func(*args)`` returned ``out``: known, counted, traced (in both runs alike)."""

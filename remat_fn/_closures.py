@@ -140,13 +140,17 @@ class Reachable:
                     cur = _contents(container)
                     if cur is not t:
                         container.cell_contents = t
-                        undo.append((container, key, cur))
+                        undo.append((container, key, cur, t))
                 elif container.get(key, _EMPTY) is not t:
-                    undo.append((container, key, container.get(key, _EMPTY)))
+                    undo.append((container, key, container.get(key, _EMPTY), t))
                     container[key] = t
             yield
         finally:
-            for container, key, old in reversed(undo):
+            # (a place the function assigned meanwhile keeps what it assigned, as in plain code: ``box.h = h``,
+            # where ``box.h`` held a tensor the region closed over, was put back and its gradient lost until this)
+            for container, key, old, put in reversed(undo):
+                if (_contents(container) if key is None else container.get(key, _EMPTY)) is not put:
+                    continue
                 if key is None:
                     if old is _EMPTY:
                         del container.cell_contents

@@ -47,6 +47,7 @@ their cotangents arrive per example.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from typing import Any
 
@@ -288,7 +289,25 @@ def outside_reach(saved, grads) -> tuple[bool, bool, bool]:
     if any(dead for _, dead in wrappers):
         return not alive, *tracked
     this = max(lv for lv, _ in wrappers)
-    return all(lv == this for lv in alive), *tracked
+    # (``torch.autograd.grad(..., create_graph=True)`` of the user's, inside the transform: its own level differentiates it)
+    return all(lv == this for lv in alive) and not _autograd_of_user(), *tracked
+
+
+_AUTOGRAD_GRAD = torch.autograd.grad.__code__
+_TRANSFORMS = torch._functorch.eager_transforms.__file__
+
+
+def _autograd_of_user() -> bool:
+    """The ``torch.autograd.grad`` running this backward (grad mode on: ``create_graph=True``) was called by the
+    user's code inside a transform, not by the transform's own ``grad``/``vjp_fn``: the level differentiates its
+    result then (``cos(x)`` for ``cos(x) - x sin(x)`` under ``grad``, silently, until this; a hostile pass).  Where
+    autograd's engine runs backward on a thread of its own (CUDA), no Python frame tells: the transform's is assumed."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code is _AUTOGRAD_GRAD:
+            return f.f_back is not None and f.f_back.f_code.co_filename != _TRANSFORMS
+        f = f.f_back
+    return False
 
 
 def unread_inputs(tape, tensors, returned: set[int]) -> list[bool]:

@@ -139,8 +139,7 @@ def keep_nothing(name: str, note=None, hooks=None):
     except RuntimeError as e:
         if "don't yet support saved tensor hooks" not in str(e):
             raise
-        # raised below, outside this handler: no __context__ holding the
-        # traceback (its frames would keep the forward's tensors alive)
+        # raised below, outside this handler: no __context__ holding the traceback (its frames would keep the forward's tensors alive)
         refused = True
     finally:
         _pop_hooks()
@@ -330,8 +329,7 @@ def saved_inputs(ctx, spec):
         if version_of(t) != v:
             raise mutated_outside(spec.name, t, v, version_of(t))
     try:
-        # A vjp_fn called after its level exited hands us dead wrappers; a new
-        # level created inside this backward may reuse their level number.
+        # A vjp_fn called after its level exited hands us dead wrappers; a new level created inside this backward may reuse their number.
         saved = tuple(unwrap_if_dead(t) if t is not None else None for t in ctx.saved_tensors)
         return saved if spec.offload is None else spec.offload.restore(saved)
     except RuntimeError as e:
@@ -425,7 +423,7 @@ class RegionState:
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
                  "levels", "aliases", "roots", "bases", "foreign", "out_values", "vmapped", "batched", "replay", "widen", "apart", "unused", "unread",
                  "side_objs", "nested_side", "late_objs", "relocate", "check", "fwd", "fwd_only", "fwd_diff", "aliased", "aborted",
-                 "grad_left", "rev", "held_inputs", "rerun_objs", "given_ids", "layers", "logical", "inner_wrapped", "inner_kind")
+                 "grad_left", "rev", "held_inputs", "rerun_objs", "given_ids", "callers", "layers", "logical", "inner_wrapped", "inner_kind")
 
     def __init__(self, run, n_in, captured, name, debug, reach: Reachable, expand):
         self.run = run  # run(list_of_input_tensors) -> (tuple_of_out_tensors, rebuild)
@@ -433,13 +431,13 @@ class RegionState:
         self.expand = expand  # argument position -> index among the distinct inputs
         self.grad_mode = torch.is_grad_enabled()  # what the function sees, as in plain code
         self.grad_left = self.grad_mode  # what it leaves (torch.set_grad_enabled(False) not undone)
-        # side outputs: {call index: positions} of the forward's tensors that left
-        # the region by a side channel, and the objects the caller holds (until
-        # they are swapped for the Function's outputs)
+        # side outputs: {call index: positions} of the forward's tensors that left the region by a side channel,
+        # and the objects the caller holds (until they are swapped for the Function's outputs)
         self.escapes: dict[int, list[int]] = {}
         self.escaped: list = []
         self.held_inputs: list = []  # (index, object, counted) of the inputs the function stored: see connect_side_outputs
-        self.given_ids: list[int] = []  # ids of the inputs as the caller holds them (the Function's forward may see others)
+        # ids of the inputs as the caller holds them (the Function's forward may see others), and those (in the forward)
+        self.given_ids, self.callers = [], None
         self.layers = None  # under vmap of forward mode: the batch layers of the inputs and outputs
         self.logical: LogicalTape | bool | None = None  # the forward's torch calls, where recorded (True: to record)
         self.inner_wrapped: list[bool] = []  # (inputs the innermost differentiating level at the call wrapped, see recompute_fn)
@@ -585,7 +583,7 @@ class RegionState:
         mode = CaptureMode(subst, known, check if recompute else self.trace, self.name, None if recompute else self.produced,
                            inputs=() if recompute else tensors[:n],
                            grab=self.escapes if recompute else None, late=late, first=first)
-        mode.levels, mode.where = self.levels, self.debug
+        mode.levels, mode.where, mode.hook_on = self.levels, self.debug, dict(zip(map(id, tensors[:n]), self.callers or [None] * n))
         if not recompute:  # (at the call: the enclosing regions' own levels aside)
             self.inner_kind = innermost_kind(self.levels)
         mode.inner_kind = self.inner_kind
@@ -601,6 +599,8 @@ class RegionState:
             try:
                 outs, rebuild = run(args)
             except BaseException:
+                for h in mode.hooked:  # (put on the caller's tensors by a try that stops)
+                    h.remove()
                 if not recompute and mode.made:  # (a try that stops: see stale_side_outputs)
                     self.aborted = [r for _, _, r in mode.made if (t := r()) is not None and carries_grad(t)]
                 raise
@@ -609,7 +609,7 @@ class RegionState:
             # A captured tensor returned as is never went through an op.
             outs = tuple(mode._fix(o) for o in outs)
         if not recompute:
-            self.grad_left = torch.is_grad_enabled()
+            self.grad_left, self.callers = torch.is_grad_enabled(), None
             self.fwd_hits = mode.hits
             # (.data, hooks, autograd inside: see CaptureMode; "autograd": a run again runs under a vjp level, as the forward)
             self.foreign = ("autograd" if mode.autograd else True) if mode.opaque else None
@@ -627,7 +627,7 @@ class RegionState:
                 "as plain code (forward mode, debug=True), is not found either: call the nested "
                 "region outside, or without debug=True.)"
             )
-        outs = outs + tuple(mode.grabbed[(c, i)] for c, ii in self.escapes.items() for i in ii)
+        outs = outs + tuple(unwrap_if_dead(mode.grabbed[(c, i)]) for c, ii in self.escapes.items() for i in ii)  # (see RegionState.call)
         out = (outs, rebuild)
         # (a replay of the recorded calls reads the forward's objects: a region nested in it may only have reached one)
         lost = [] if run is not self.run else [o for o in self.captured if id(o) in self.fwd_hits - mode.hits and not self._copied_constant(o)]

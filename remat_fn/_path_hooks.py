@@ -20,6 +20,7 @@ from typing import Any
 import optree
 import torch
 import torch.autograd.forward_ad as fwad
+from torch.utils.hooks import RemovableHandle
 
 from ._ambient import AMBIENT
 from ._budget import Measuring
@@ -282,6 +283,7 @@ def run_with_hooks(call: RegionCall) -> Any:
         frame.offload_ids = {id(tensors[i]): d for i, d in input_offloads(policy, tensors).items()}
         frame.rec.on_input = named_inputs(tensors, frame.offload_ids)  # (named inside the region)
     _push_hooks(frame.pack, frame.unpack)
+    first_hook = RemovableHandle.next_id  # (handles are numbered in order: the try's hooks are those from here on)
     try:
         with saving(frame.rec, recompute=False, tape=undo):
             if debug:
@@ -300,6 +302,9 @@ def run_with_hooks(call: RegionCall) -> Any:
             snap.restore_now()
         undo.restore_rng()  # (the function's own generators too)
         undo.undo_writes()
+        for t in tensors:  # (its hooks on the inputs: the torch.func path's forward registers them again)
+            for k in [k for k in t._backward_hooks or () if k >= first_hook]:
+                del t._backward_hooks[k]
         raise NeedsTorchFuncPath() from None
     finally:
         _pop_hooks()

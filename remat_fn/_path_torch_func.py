@@ -511,7 +511,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
                 "as explicit arguments."
             )
         spec = RegionState(call.run, len(inputs), captured, name, debug, reach, expand)
-        spec.given_ids = [id(t) for t in inputs]
+        spec.given_ids, spec.callers = [id(t) for t in inputs], given
         closed = [unwrap_if_dead(t) for t in substituted(captured)]  # (what the Function gets; the function reads ``captured``)
         if separate:
             closed = distinct_objects(closed, inputs)

@@ -704,14 +704,17 @@ def test_a_region_calling_grad_over_another_region(inside, around):
         _close(r, results[0])
 
 
-@pytest.mark.parametrize("around", ["eager", "grad", "hessian", "vmap_grad"])
+_AROUND["grad_vmap_grad"] = lambda L: grad(lambda x: vmap(grad(L))(torch.stack([x, 2 * x])).pow(2).sum())(_X3)
+
+
+@pytest.mark.parametrize("around", ["eager", "grad", "hessian", "vmap_grad", "grad_vmap_grad"])
 @pytest.mark.parametrize("read_after", [False, True])
 def test_a_side_output_of_the_functions_own_grad_inside_a_region(around, read_after):
     """An intermediate the function keeps in a list under a ``torch.func.grad`` of its own and reads in it: after the
     region the list holds a wrapper of that exited transform, which functorch's internal assert refused where remat
     returned it as a side output ("result->level().has_value()", at 3915fbd too), and under eager autograd it holds the
     output remat would swap into it. It is returned as functorch reads it (``unwrap_if_dead``), the caller's object
-    taking the content of an alias."""
+    taking the content of an alias; so where backward runs the function again (``grad(vmap(grad))``, a hostile pass)."""
     side: list = []
     results = []
     for outer, inner in ((ident, ident), (remat, remat), (remat, ident), (ident, remat)):
@@ -721,3 +724,133 @@ def test_a_side_output_of_the_functions_own_grad_inside_a_region(around, read_af
         results.append(_AROUND[around](lambda x: (fr(x) * x.sin()).sum() + ((side[-1] * x).sum() if read_after else 0)))
     for r in results[1:]:
         _close(r, results[0])
+
+
+class _Box:
+    pass
+
+
+@pytest.mark.parametrize("around", ["eager", "grad", "vmap_grad"])
+@pytest.mark.parametrize("where", ["attribute", "dict"])
+def test_a_side_output_assigned_where_the_last_call_left_one(where, around):
+    """``box.h = h`` under the function's own ``grad``, read after the region, on the second call (a training loop's
+    second step): ``box.h`` held the first call's tensor, which the region closes over; the closure's places were put
+    back after the forward, over what the function assigned, so the loss read the old tensor, a constant: 1.25 to 10.2
+    off, silently (a hostile pass; a crash before this session's first fix). A place the function assigned keeps it."""
+    results = []
+    for wrap in (ident, remat):
+        box, d = _Box(), {}
+
+        def put(t, box=box, d=d):
+            if where == "attribute":
+                box.h = t
+            else:
+                d["h"] = t
+
+        def get(box=box, d=d):
+            return box.h if where == "attribute" else d["h"]
+
+        def f(y, put=put):
+            def inner(z):
+                h = z.sin() * _W3
+                put(h * 2)
+                return (h * z).sum()
+            return grad(inner)(y)
+
+        fr = wrap(f)
+        loss = lambda x, fr=fr, get=get: (fr(x) * x.sin()).sum() + (get() * x * x).sum()  # noqa: E731
+        results.append([_AROUND[around](loss) for _ in range(2)])
+    for r, p in zip(results[1], results[0]):
+        _close(r, p)
+
+
+_M3 = torch.tensor([[1., .2, -.3], [.5, .7, .1], [-.4, .3, .9]], dtype=D)
+
+
+@pytest.mark.parametrize("around", ["eager", "grad", "vmap_grad"])
+@pytest.mark.parametrize("levels", ["one", "two", "outer_only", "inner_only"])
+def test_autograd_grad_with_create_graph_over_a_region_inside_a_transform(levels, around):
+    """``torch.autograd.grad(..., create_graph=True)`` the user calls inside ``torch.func.grad`` over a region: the
+    region's backward took the transform's own final backward for it (nothing outside differentiating it) and ran
+    without a graph: ``cos(x)`` for ``cos(x) - x sin(x)``, 0.17 to 3.23 off, silently (a hostile pass). Who called
+    ``torch.autograd.grad`` tells them apart (``outside_reach``)."""
+    results = []
+    for wrap in (ident, remat):
+        inner_wrap = ident if levels == "outer_only" else wrap
+        outer_wrap = ident if levels == "inner_only" else wrap
+        hi = inner_wrap(lambda y: (_M3 @ y).sin() * _W3)
+        gi = hi if levels == "one" else outer_wrap(lambda y, hi=hi: grad(lambda z: (hi(z) * z).sum())(y) * y)
+        f = lambda y, gi=gi: torch.autograd.grad((gi(y) * y).sum(), y, create_graph=True)[0]  # noqa: E731
+        results.append(_AROUND[around](lambda x, f=f: (f(x) * x.sin()).sum()))
+    _close(results[1], results[0])
+
+
+_HOOK_AROUND = {**_AROUND, "eager_non_leaf": lambda L: (lambda x0: torch.autograd.grad(L(x0 * 1), x0)[0])(_X3.clone().requires_grad_()),
+                "jacrev": lambda L: torch.func.jacrev(L)(_X3),
+                "grad_of_grad": lambda L: grad(lambda x: grad(L)(x).pow(2).sum())(_X3),
+                "grad_vmap": lambda L: grad(lambda x: vmap(L)(torch.stack([x, 2 * x])).sum())(_X3)}
+
+
+def _triple(g):
+    return g * 3
+
+
+def _hook_on_given(kind, wrap, calls):
+    """A region registering a hook on what it is given (or closes over), the caller using that tensor outside too."""
+    if kind == "argument":
+        def f(x):
+            calls.append(1)
+            if x.requires_grad:
+                x.register_hook(_triple)
+            return x.sin() * 2
+        return wrap(f)
+    if kind == "argument_removed":
+        def f(x):
+            if x.requires_grad:
+                x.register_hook(_triple).remove()
+            return x.sin() * 2
+        return wrap(f)
+    if kind == "argument_of_a_nested_region":
+        g = wrap(lambda y: (y.register_hook(_triple) if y.requires_grad else None, y.sin() * 2)[1])
+        return wrap(lambda x: g(x).cos() * x)
+    if kind == "intermediate_given_to_a_nested_region":
+        g = wrap(lambda y: (y.register_hook(_triple) if y.requires_grad else None, y.sin() * 2)[1])
+        return wrap(lambda x: g(x * 1.5) + g(x))
+    if kind == "argument_of_a_region_calling_grad":
+        def f(x):
+            if x.requires_grad:
+                x.register_hook(_triple)
+            return grad(lambda z: (z.sin() * x).sum())(x) * x
+        return wrap(f)
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("around", list(_HOOK_AROUND))
+@pytest.mark.parametrize("kind", ["argument", "argument_removed", "argument_of_a_nested_region", "intermediate_given_to_a_nested_region",
+                                  "argument_of_a_region_calling_grad"])
+def test_a_hook_on_an_argument_the_caller_also_uses(kind, around):
+    """Plain code's hook on an argument sees its whole gradient; the region's went on the Function's input standing for
+    it and saw the region's share: 4.1 off under ``grad``, 26 under ``vmap(grad)``, 148 under ``grad`` of ``grad``, up to
+    1.6e3 through nested regions, silently (a hostile pass of the last session); a region calling ``torch.func`` had
+    its eager try's hook left on the argument, twice plain's. It goes on the caller's tensor (``_hook_outside``), and
+    the function runs as often as plain code's."""
+    results, counts = [], []
+    for wrap in (ident, remat):
+        calls: list = []
+        g = _hook_on_given(kind, wrap, calls)
+        results.append(_HOOK_AROUND[around](lambda x, g=g: (g(x) * x.cos()).sum() + (x ** 3).sum()))
+        counts.append(len(calls))
+    _close(results[1], results[0])
+    assert counts[1] == counts[0]
+
+
+@pytest.mark.parametrize("around", ["grad", "vmap_grad", "hessian"])
+def test_a_hook_on_a_closed_over_tensor_the_caller_also_uses(around):
+    results = []
+    for wrap in (ident, remat):
+        def loss(x, wrap=wrap):
+            w = x * 2  # (an intermediate of the caller, which the region closes over)
+            f = wrap(lambda y: (w.register_hook(_triple) if w.requires_grad else None, y.sin() * w)[1])
+            return (f(x) * w.cos()).sum()
+        results.append(_AROUND[around](loss))
+    _close(results[1], results[0])
