@@ -70,7 +70,15 @@ from ._functorch import (
 from ._offload_buffers import quiet
 from ._ops import bookkeeping
 from ._record import recording_tapes
-from ._torch_internals import DisableFuncTorch, dispatch_stack_len, function_class, function_mode_enabled, is_view, saved_tensor_attrs
+from ._torch_internals import (
+    TRANSFORMS_FILE,
+    DisableFuncTorch,
+    dispatch_stack_len,
+    function_class,
+    function_mode_enabled,
+    is_view,
+    saved_tensor_attrs,
+)
 from .memory import COUNTERS, storage_released
 
 __all__ = ["KeepHandles", "Unpack", "alias_output", "detached_alias", "release_outputs", "from_graph", "note_storage",
@@ -294,7 +302,6 @@ def outside_reach(saved, grads) -> tuple[bool, bool, bool]:
 
 
 _AUTOGRAD_GRAD = torch.autograd.grad.__code__
-_TRANSFORMS = torch._functorch.eager_transforms.__file__
 
 
 def _autograd_of_user() -> bool:
@@ -305,7 +312,7 @@ def _autograd_of_user() -> bool:
     f = sys._getframe(2)
     while f is not None:
         if f.f_code is _AUTOGRAD_GRAD:
-            return f.f_back is not None and f.f_back.f_code.co_filename != _TRANSFORMS
+            return f.f_back is not None and f.f_back.f_code.co_filename != TRANSFORMS_FILE
         f = f.f_back
     return False
 

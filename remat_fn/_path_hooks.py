@@ -36,7 +36,7 @@ from ._profile import storage_bytes
 from ._record import Record, paused, saving
 from ._region import AutocastState, RegionCall, RNGSnapshot
 from ._tape import Tape
-from ._torch_internals import forward_ad_level, hooks_enabled
+from ._torch_internals import drop_hooks_since, forward_ad_level, hooks_enabled
 from ._torch_internals import pop_hooks as _pop_hooks
 from ._torch_internals import push_hooks as _push_hooks
 from ._torch_internals import top_hooks as _top_hooks
@@ -303,8 +303,7 @@ def run_with_hooks(call: RegionCall) -> Any:
         undo.restore_rng()  # (the function's own generators too)
         undo.undo_writes()
         for t in tensors:  # (its hooks on the inputs: the torch.func path's forward registers them again)
-            for k in [k for k in t._backward_hooks or () if k >= first_hook]:
-                del t._backward_hooks[k]
+            drop_hooks_since(t, first_hook)
         raise NeedsTorchFuncPath() from None
     finally:
         _pop_hooks()

@@ -40,6 +40,11 @@ Notes, cited from the code as ``NOTE [name]``:
   of torch's wrapper (``_should_skip_dynamo``) and wraps the same way but only
   once something else (``torch.compile``) has imported Dynamo: before that
   nothing can be compiling, so a region's first call does not load the compiler.
+- NOTE [tensor hooks]: a tensor's hooks are the dict ``Tensor._backward_hooks``, keyed by
+  handle ids numbered in order (``RemovableHandle.next_id``): the hooks an abandoned try
+  registered are those from an id on.  ``torch.func``'s transforms call
+  ``torch.autograd.grad`` from one file (``torch._functorch.eager_transforms``), which a
+  backward's Python frames name.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ import torch
 __all__ = [
     "SUPPORTED_TORCH", "push_hooks", "pop_hooks", "top_hooks", "hooks_enabled", "hooks_disabled_message",
     "enable_hooks", "disable_hooks", "set_version_counter", "functorch", "functorch_active",
-    "DisableTorchFunction", "set_grad_mode", "generator_key",
+    "DisableTorchFunction", "set_grad_mode", "generator_key", "drop_hooks_since", "TRANSFORMS_FILE",
     "DisableFuncTorch", "DisableTorchDispatch", "dispatch_stack_len", "function_mode_enabled", "TorchDispatchMode",
     "disable_current_modes", "mode_stack", "tree_leaves", "FakeTensorMode", "OpOverload", "OpOverloadPacket",
     "assert_async", "CachingTorchDispatchMode", "checkpoint_flag", "forward_ad_level", "version",
@@ -286,3 +291,14 @@ def generator_key(g: torch.Generator) -> int:
     """The generator below ``g``: torch hands a ``__torch_dispatch__`` a Python object of its own for a
     generator argument (``g is G`` fails for the caller's ``G``), over the same C++ generator."""
     return g._cdata
+
+
+# NOTE [tensor hooks]
+TRANSFORMS_FILE = _from("torch._functorch.eager_transforms", "__file__")
+
+
+def drop_hooks_since(t: torch.Tensor, first: int) -> None:
+    """Remove the hooks on ``t`` whose handles were made from id ``first`` on."""
+    hooks = t._backward_hooks
+    for k in [k for k in hooks or () if k >= first]:
+        del hooks[k]
