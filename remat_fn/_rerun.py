@@ -49,8 +49,9 @@ def rerun_vjp(spec: RegionState, tensors, wrt, out_diff, detach: bool, cot, star
     replayed where recorded (see remat_fn._logical), unless ``python``: the function itself.
     ``outer``: see recompute_fn."""
     f = recompute_fn(spec, tensors, wrt, out_diff, python=python, outer=outer)
-    # (ops whose results backward does not need are skipped where nothing outside differentiates it, see Tape.plan)
-    plan = spec.plan if detach else None
+    # (ops whose results backward does not need are skipped where nothing outside differentiates it, see Tape.plan;
+    # not at an outer level, which differentiates through what ``detach_`` cut at the innermost: 5x off until this)
+    plan = spec.plan if detach and not outer else None
 
     def rerun(tape, plan):
         with spec.rng or _NULL, saving(spec.rec, recompute=True, tape=tape, plan=plan), random_in_vmap(spec.name):
