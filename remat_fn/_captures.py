@@ -236,19 +236,15 @@ class CaptureMode(TorchFunctionMode):
 
     Args:
         subst: ``id(original) -> replacement``.
-        known: the tensors that may be used freely (:class:`Known`: the region's
-            inputs); tensors produced inside the region are added as they
-            appear.  ``None`` disables the safety net (a recomputation).
+        known: the tensors that may be used freely (:class:`Known`: the region's inputs); tensors produced
+            inside the region are added as they appear.  ``None`` disables the safety net (a recomputation).
         trace: the forward's call trace (a list the forward fills, ``where``: with user source
             lines), or a recomputation's :class:`CallTrace` checking it.
         name: the region's name, for error messages.
-        inputs: the region's input tensors as the function receives them: an
-            in-place op on one of them, or on a view of one, is refused before
-            it writes (recomputing would apply it twice).
-        grab: ``{call index: tensor positions}`` of a recomputation: the
-            tensors those calls produce are collected in :attr:`grabbed` (the
-            values that left the forward by a side channel, see
-            :meth:`escaped`).
+        inputs: the region's input tensors as the function receives them: an in-place op on one of them,
+            or on a view of one, is refused before it writes (recomputing would apply it twice).
+        grab: ``{call index: tensor positions}`` of a recomputation: the tensors those calls produce are
+            collected in :attr:`grabbed` (the values that left the forward by a side channel, see :meth:`escaped`).
         late: ``(caller's object, (call index, position))`` of the objects holding the
             values that left the first run by a side channel: a run again that reads
             one (``side[0]``, appended earlier in the same run) reads the value it made
@@ -307,8 +303,7 @@ class CaptureMode(TorchFunctionMode):
         self.counts_inputs = False  # a run again that looks for the inputs it stores (see refs_counted)
         self.tape = None  # the region's own tape, in its forward (see _made_inside)
         self.logical = None  # the forward's torch calls, where recorded (see remat_fn._logical)
-        self.hook_on: dict | None = None  # id(an input as the function gets it) -> the caller's tensor (see _hook_outside), and
-        self.hooked: list = []  # the handles of the hooks put on the caller's tensors
+        self.hook_on, self.hooked = None, []  # (see hooks_from; the handles of the hooks _redirect put on the caller's tensors)
 
     def _fix(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -537,8 +532,8 @@ class CaptureMode(TorchFunctionMode):
                 # code holds batched, where the innermost transform is a vmap (one the function entered itself, else the
                 # call's, see innermost_kind): plain code's hook never fires on it; hostile passes)
                 return RemovableHandle(_NO_HOOKS)
-            if func is _HOOK and (h := self._hook_outside(args, kwargs)) is not None:
-                return h
+            if func in _REDIRECTED and (h := self._redirect(func, args, kwargs))[0]:
+                return h[1]
             if logical is not None:
                 logical.fail()
             self.autograd = self.autograd or func in _AUTOGRAD
@@ -584,26 +579,32 @@ class CaptureMode(TorchFunctionMode):
                 AMBIENT.call_grad = grad
         return self._done(func, out, args, logical)
 
-    def _hook_outside(self, args, kwargs) -> RemovableHandle | None:
+    def hooks_from(self, given: list, callers, captured: list, n: int) -> None:
+        """``hook_on``: the function's inputs (arguments, closed-over replacements) -> the caller's objects (None: a run again)."""
+        self.hook_on = dict(zip(map(id, given), [*(callers or [None] * n), *(captured if callers else [None] * len(captured))]))
+
+    def _redirect(self, func, args, kwargs) -> tuple[bool, Any]:
         """A hook on an argument or a closed-over tensor (of the enclosing regions too) goes on the caller's tensor, as
-        plain code's: it sees that tensor's whole gradient, also used outside (the Function's input saw the region's share:
-        4.1 off under ``grad``, silently, until this); a run again registers nothing; on a tensor an enclosing region made,
-        that region's backward code (``opaque``).  None: one this region made (its own backward code)."""
+        plain code's: it sees its whole gradient (the Function's input saw the region's share: 4.1 off under ``grad``, silently,
+        until this); a run again, or a caller's tensor needing none (forward mode), registers nothing; on a tensor an enclosing
+        region made, that region's backward code (``opaque``).  ``(False, None)``: one this region made (its own)."""
         t, modes = args[0], AMBIENT.captures
         if self.hook_on is None or not modes or modes[-1] is not self or (id(t) not in self.hook_on and id(t) not in self.threaded):
-            return None
+            return False, None
         for m in reversed(modes):
             on = m.hook_on or {}
             if id(t) not in on and id(t) not in m.threaded:  # (made by that region: its backward code)
                 m.opaque, _ = True, m.logical is not None and m.logical.fail()
                 break
-            if m.known is None:  # (a run again: its forward put the hook on the caller's tensor)
-                return RemovableHandle(_NO_HOOKS)
-            t = on.get(id(t), t)
-        handle = t.register_hook(*args[1:], **(kwargs or {}))
+            t = None if m.known is None else on.get(id(t), t)  # (a run again: its forward put it on the caller's tensor)
+            if t is None:
+                break
+        if t is None or not t.requires_grad:
+            return True, RemovableHandle(_NO_HOOKS)
+        out = func(t, *args[1:], **(kwargs or {}))
         for m in modes:  # (removed if a try of any of them stops: see RegionState._call)
-            m.hooked.append(handle)
-        return handle
+            m.hooked.append(out)
+        return True, out
 
     def _done(self, func, out, args, logical):
         """The call ``func(*args)`` returned ``out``: known, counted, traced (in both runs alike)."""
@@ -634,6 +635,7 @@ class CaptureMode(TorchFunctionMode):
 # transform's own, which builds a graph, is: see transform_autograd): where something outside
 # differentiates the region's backward, the function runs again instead (spec.foreign)
 _HOOK, _DATA_GET, _GRAD = torch.Tensor.register_hook, torch.Tensor.data.__get__, torch.autograd.grad
+_REDIRECTED = frozenset({_HOOK, torch.Tensor.register_post_accumulate_grad_hook})
 _AUTOGRAD = frozenset({torch.autograd.grad, torch.autograd.backward})
 _NO_HOOKS: collections.OrderedDict = collections.OrderedDict()
 _DATA = frozenset({torch.Tensor.data.__get__, torch.Tensor.data.__set__, _HOOK,

@@ -42,6 +42,7 @@ from ._describe import describe
 from ._errors import MutatedSavedTensorError, RecomputeMismatchError, RematError, mutated_outside
 from ._frame import plan_kept
 from ._functorch import (
+    as_given,
     carries_grad,
     differentiable,
     draws_batched,
@@ -331,6 +332,7 @@ def saved_inputs(ctx, spec):
     try:
         # A vjp_fn called after its level exited hands us dead wrappers; a new level created inside this backward may reuse their number.
         saved = tuple(unwrap_if_dead(t) if t is not None else None for t in ctx.saved_tensors)
+        saved = tuple(as_given(t, top) for t, top in zip(saved, spec.inner_wrapped)) if spec.inner_wrapped else saved
         return saved if spec.offload is None else spec.offload.restore(saved)
     except RuntimeError as e:
         if "inplace" in str(e) or "version" in str(e):
@@ -385,9 +387,8 @@ def plan_rerun(spec, roots, inputs) -> None:
     if replay:
         used_outside = used_outside | tape.plan_steps([*roots, *tape.out_writes, *(v for v in spec.out_values if isinstance(v, Value))])[3]
     tape.release(used_outside)
-    # The recomputation re-runs the function, which reads the live tensors: the ones
-    # the needed ops read must still be what the forward read.  The region's inputs
-    # are saved by the Function (version-checked there, or offloaded): not held here.
+    # The recomputation re-runs the function, which reads the live tensors: the ones the needed ops read must still be
+    # what the forward read.  The region's inputs are saved by the Function (version-checked there, or offloaded): not held here.
     mine = {p for t in inputs if (p := storage_ptr(t))}
     spec.outside = [(v.t, v.version) for v in used_outside
                     if v.snap is None and v.t is not None and v.ptr not in mine]
@@ -440,7 +441,7 @@ class RegionState:
         self.given_ids, self.callers = [], None
         self.layers = None  # under vmap of forward mode: the batch layers of the inputs and outputs
         self.logical: LogicalTape | bool | None = None  # the forward's torch calls, where recorded (True: to record)
-        self.inner_wrapped: list[bool] = []  # (inputs the innermost differentiating level at the call wrapped, see recompute_fn)
+        self.inner_wrapped: list[int] = []  # (each input's innermost grad level at the call: see recompute_fn, saved_inputs)
         self.inner_kind = None  # (the innermost transform plain code would run the function under, see innermost_kind)
         self.apart: list[bool] | None = None  # see remat_fn._functorch.apart_inputs
         self.unused: list[bool] | None = None  # (eager autograd around vmap: see _RematFunction.forward)
@@ -486,10 +487,9 @@ class RegionState:
         self.plan: set[int] | None = None  # the tape nodes the recomputation computes
         self.outside: list = []  # (tensor, version) of the outside tensors the recomputation reads
         self.written: dict = {}  # storages the forward wrote -> their copy before (Tape.pre_write)
-        # Backward from the forward's own graph: the hooks path's frame whose handles the
-        # graph saved (None: backward re-runs the function), that graph (the forward
-        # level's vjp_fn), its differentiated outputs' metadata, each Function output's
-        # position among them, and the inputs it differentiates
+        # Backward from the forward's own graph: the hooks path's frame whose handles the graph saved (None: backward
+        # re-runs the function), that graph (the forward level's vjp_fn), its differentiated outputs' metadata, each
+        # Function output's position among them, and the inputs it differentiates
         self.frame = None
         self.graph = None
         self.dmeta: list = []
@@ -583,7 +583,7 @@ class RegionState:
         mode = CaptureMode(subst, known, check if recompute else self.trace, self.name, None if recompute else self.produced,
                            inputs=() if recompute else tensors[:n],
                            grab=self.escapes if recompute else None, late=late, first=first)
-        mode.levels, mode.where, mode.hook_on = self.levels, self.debug, dict(zip(map(id, tensors[:n]), self.callers or [None] * n))
+        mode.levels, mode.where, _ = self.levels, self.debug, mode.hooks_from(tensors, self.callers, self.captured, n)
         if not recompute:  # (at the call: the enclosing regions' own levels aside)
             self.inner_kind = innermost_kind(self.levels)
         mode.inner_kind = self.inner_kind

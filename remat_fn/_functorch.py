@@ -17,7 +17,7 @@ from ._torch_internals import DisableFuncTorch, DisableTorchDispatch, DisableTor
 __all__ = [
     "C", "transforms_active", "transform_stack", "transform_kinds", "is_wrapped", "unwrap_one",
     "unwrap_all", "version_alias",
-    "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead",
+    "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead", "grad_tops", "as_given",
     "forward_mode_active", "forward_mode_at", "nested_forward_mode", "carries_grad", "any_batched", "batched_first", "from_lowered_level",
     "requires_grad_anywhere", "outside_innermost",
     "wrapped_innermost", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
@@ -193,14 +193,27 @@ def outside_innermost(levels: dict | None, level: int) -> bool:
     return bool(inner) and level < max(inner)
 
 
-def wrapped_innermost(levels: dict | None, tensors) -> list[bool]:
-    """Which of ``tensors`` the innermost differentiating level active at a call (``levels``) wraps: what its
-    ``.data`` or ``detach_`` strips from them there (see :func:`outside_innermost`)."""
+def grad_tops(tensors) -> list[int]:
+    """The level of each tensor's innermost grad-tracking wrapper (0: none), at a call."""
+    return [max((lv for lv, _ in grad_wrappers(t)[0]), default=0) if isinstance(t, torch.Tensor) else 0 for t in tensors]
+
+
+def wrapped_innermost(levels: dict | None, tops: list[int]) -> list[bool]:
+    """Which tensors (their ``grad_tops`` at the call) the innermost differentiating level active at a call
+    (``levels``) wraps: what its ``.data`` or ``detach_`` strips from them there (see :func:`outside_innermost`)."""
     inner = [lv for lv, kind in (levels or {}).items() if not is_vmap_kind(kind)]
-    if not inner:
-        return [False] * len(tensors)
-    top = max(inner)
-    return [isinstance(t, torch.Tensor) and any(lv == top for lv, _ in grad_wrappers(t)[0]) for t in tensors]
+    return [bool(inner) and lv == max(inner) for lv in tops]
+
+
+def as_given(t: torch.Tensor, top: int) -> torch.Tensor:
+    """A custom Function's saved input as plain code held it at the call (its innermost grad wrapper at level
+    ``top``): functorch hands it back wrapped at the Function's level too, without a gradient, where the call's
+    input had no wrapper of that level (a tensor the inner ``grad`` does not differentiate), so that ``.data`` or
+    ``detach_`` in a run again stripped that wrapper instead of plain code's (4.8 off under ``grad`` of ``grad``)."""
+    while C.is_gradtrackingtensor(t) and (lv := C.maybe_get_level(t)) > top and not t.requires_grad \
+            and not C.is_dead_tensor_wrapper(t) and is_grad_kind(live_levels().get(lv)):  # (a jvp level's: kept, its ops
+        t = C.get_unwrapped(t)  # run at that level as plain code's do there)
+    return t
 
 
 def above_vmaps(levels: dict | None, inputs) -> bool:

@@ -188,6 +188,7 @@ class HookFrame(Frame):
         rec = None if self.in_forward else self.rec
         relocated = self.reach.relocated() if self.reach is not None else _NULL
         _push_hooks(rpack, runpack)
+        first_hook = RemovableHandle.next_id
         try:
             with dual, torch.enable_grad(), self.autocast, relocated, saving(rec, recompute=True), \
                     paused(self.rec if self.in_forward else None), \
@@ -209,6 +210,9 @@ class HookFrame(Frame):
                         rng.__exit__(None, None, None)
         finally:
             _pop_hooks()
+            if RemovableHandle.next_id != first_hook:  # (the forward's hooks on its inputs and what it closes over fire in
+                for t in (*_input_tensors(args, kwargs)[1], *reachable_tensors(self.fun).tensors.values()):  # backward:
+                    drop_hooks_since(t, first_hook)  # this run's twice, 3.7 to 2.5e8 off with debug=True until this)
         if counter[0] <= last or (not early and counter[0] != len(meta)):
             self._mismatch(
                 f"{counter[0]} tensors were saved on recompute but the forward saved "
@@ -302,8 +306,8 @@ def run_with_hooks(call: RegionCall) -> Any:
             snap.restore_now()
         undo.restore_rng()  # (the function's own generators too)
         undo.undo_writes()
-        for t in tensors:  # (its hooks on the inputs: the torch.func path's forward registers them again)
-            drop_hooks_since(t, first_hook)
+        for t in (*tensors, *reachable_tensors(call.reach_roots()).tensors.values()):  # (its hooks on the inputs and on
+            drop_hooks_since(t, first_hook)  # what it closes over: the torch.func path's forward registers them again)
         raise NeedsTorchFuncPath() from None
     finally:
         _pop_hooks()

@@ -97,6 +97,7 @@ from ._functorch import (
     forward_mode_active,
     forward_mode_at,
     grad_on_top,
+    grad_tops,
     grad_wrappers,
     is_vmap_kind,
     is_wrapped,
@@ -110,7 +111,6 @@ from ._functorch import (
     unwrap_if_dead,
     version_alias,
     vmaps_outermost,
-    wrapped_innermost,
 )
 from ._offload import FuncInputs, hint, input_offloads
 from ._profile import storage_bytes
@@ -226,7 +226,7 @@ class _RematFunction(torch.autograd.Function):
                 spec.dmeta = [out_meta(t) for t in douts]
             del vjp_fn  # without a frame, the level's graph: what it saved dies here
             spec.written = tape.pre_write
-            if not keep and not tape.functions and not spec.foreign:  # (see unread_inputs)
+            if (not keep or spec.replay) and not tape.functions and not spec.foreign:  # (see unread_inputs; keep: the tape holds all)
                 spec.unread = unread_inputs(tape, tensors, returned_ids)
             tape.written_storages = []  # (only a retry of this forward puts them back)
             rebuild, mask, saved, pos, refs = box.pop()
@@ -545,7 +545,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         spec.fwd = forward_mode_at(levels)  # (not stopped by no_grad: see forward_reached)
         # (and under no_grad, where the function may enable grad itself: its outputs tell, see mask)
         spec.needs = [needs_grad(t) and differentiable(t) for t in (*inputs, *closed)]
-        spec.inner_wrapped = wrapped_innermost(levels, (*inputs, *closed))  # (see recompute_fn)
+        spec.inner_wrapped = grad_tops((*inputs, *closed))  # (see recompute_fn, saved_inputs)
         # (the inputs reverse mode differentiates: under forward mode the others, which only a jvp level
         # wraps, stay out of the forward's vjp level, see forward)
         if spec.fwd:

@@ -16,7 +16,7 @@ import torch
 from ._describe import describe, describe_meta
 from ._errors import RecomputeMismatchError, RematError
 from ._func_semantics import RegionState, out_meta, primal_under_vjp, random_in_vmap, replace_at
-from ._functorch import jvp_innermost, transform_kinds
+from ._functorch import jvp_innermost, transform_kinds, wrapped_innermost
 from ._record import Diverged, saving
 
 __all__ = ["check_again", "rerun_vjp", "recompute_fn"]
@@ -91,8 +91,9 @@ def recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None = 
             side[:] = outs[spec.n_out:]
         return tuple(o for o, d in zip(outs, out_diff) if d)
 
-    wrapped = [spec.inner_wrapped[i] if spec.inner_wrapped else True for i in wrt]  # (only those: .data of another
-    if under_jvp and spec.foreign == "autograd":  # strips its own outermost level, as in plain code)
+    # (only those: .data of another strips its own outermost level, as in plain code)
+    wrapped = wrapped_innermost(spec.levels, [spec.inner_wrapped[i] for i in wrt]) if spec.inner_wrapped else [True] * len(wrt)
+    if under_jvp and spec.foreign == "autograd":
         return functools.partial(primal_under_vjp, f)
     if under_jvp and spec.foreign and spec.levels and not jvp_innermost(spec.levels):
         return functools.partial(_inside, primal_under_vjp, f, wrapped)
@@ -107,8 +108,8 @@ def _inside(level, f, wrapped: list[bool], *primals):
     """``f(*primals)`` under a level of its own (``level(g, *primals)``: ``primal_under_vjp``, ``_under_jvp``)
     that wraps the primals ``wrapped`` says only."""
     at = [i for i, w in enumerate(wrapped) if w]
-    if not at:
-        return f(*primals)
+    if not at:  # (the level all the same: ``detach_`` acts at the innermost level, a no-op on what it does not wrap,
+        return level(lambda _: f(*primals), torch.zeros(()))  # which the levels outside differentiate, as plain code's)
 
     def g(*some):
         full = list(primals)

@@ -40,7 +40,8 @@ Notes, cited from the code as ``NOTE [name]``:
   of torch's wrapper (``_should_skip_dynamo``) and wraps the same way but only
   once something else (``torch.compile``) has imported Dynamo: before that
   nothing can be compiling, so a region's first call does not load the compiler.
-- NOTE [tensor hooks]: a tensor's hooks are the dict ``Tensor._backward_hooks``, keyed by
+- NOTE [tensor hooks]: a tensor's hooks are the dicts ``Tensor._backward_hooks`` (and
+  ``_post_accumulate_grad_hooks``), keyed by
   handle ids numbered in order (``RemovableHandle.next_id``): the hooks an abandoned try
   registered are those from an id on.  ``torch.func``'s transforms call
   ``torch.autograd.grad`` from one file (``torch._functorch.eager_transforms``), which a
@@ -298,7 +299,7 @@ TRANSFORMS_FILE = _from("torch._functorch.eager_transforms", "__file__")
 
 
 def drop_hooks_since(t: torch.Tensor, first: int) -> None:
-    """Remove the hooks on ``t`` whose handles were made from id ``first`` on."""
-    hooks = t._backward_hooks
-    for k in [k for k in hooks or () if k >= first]:
-        del hooks[k]
+    """Remove the hooks on ``t`` (and the post-accumulate-grad ones) whose handles were made from id ``first`` on."""
+    for hooks in (t._backward_hooks, t._post_accumulate_grad_hooks):
+        for k in [k for k in hooks or () if k >= first]:
+            del hooks[k]
