@@ -45,6 +45,7 @@ from ._functorch import (
     unwrap_all,
     unwrap_one,
 )
+from ._hook_targets import REDIRECTED, redirect_hook
 from ._ops import untracked_stats
 from ._record import recording_tapes
 from ._region import as_caller, region_depth
@@ -303,7 +304,7 @@ class CaptureMode(TorchFunctionMode):
         self.counts_inputs = False  # a run again that looks for the inputs it stores (see refs_counted)
         self.tape = None  # the region's own tape, in its forward (see _made_inside)
         self.logical = None  # the forward's torch calls, where recorded (see remat_fn._logical)
-        self.hook_on, self.hooked = None, []  # (see hooks_from; the handles of the hooks _redirect put on the caller's tensors)
+        self.hook_on, self.hooked = None, []  # (see hooks_from; the handles of the hooks put on the caller's tensors, remat_fn._hook_targets)
 
     def _fix(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -532,7 +533,7 @@ class CaptureMode(TorchFunctionMode):
                 # code holds batched, where the innermost transform is a vmap (one the function entered itself, else the
                 # call's, see innermost_kind): plain code's hook never fires on it; hostile passes)
                 return RemovableHandle(_NO_HOOKS)
-            if func in _REDIRECTED and (h := self._redirect(func, args, kwargs))[0]:
+            if func in REDIRECTED and (h := redirect_hook(self, func, args, kwargs))[0]:
                 return h[1]
             if logical is not None:
                 logical.fail()
@@ -583,29 +584,6 @@ class CaptureMode(TorchFunctionMode):
         """``hook_on``: the function's inputs (arguments, closed-over replacements) -> the caller's objects (None: a run again)."""
         self.hook_on = dict(zip(map(id, given), [*(callers or [None] * n), *(captured if callers else [None] * len(captured))]))
 
-    def _redirect(self, func, args, kwargs) -> tuple[bool, Any]:
-        """A hook on an argument or a closed-over tensor (of the enclosing regions too) goes on the caller's tensor, as
-        plain code's: it sees its whole gradient (the Function's input saw the region's share: 4.1 off under ``grad``, silently,
-        until this); a run again, or a caller's tensor needing none (forward mode), registers nothing; on a tensor an enclosing
-        region made, that region's backward code (``opaque``).  ``(False, None)``: one this region made (its own)."""
-        t, modes = args[0], AMBIENT.captures
-        if self.hook_on is None or not modes or modes[-1] is not self or (id(t) not in self.hook_on and id(t) not in self.threaded):
-            return False, None
-        for m in reversed(modes):
-            on = m.hook_on or {}
-            if id(t) not in on and id(t) not in m.threaded:  # (made by that region: its backward code)
-                m.opaque, _ = True, m.logical is not None and m.logical.fail()
-                break
-            t = None if m.known is None else on.get(id(t), t)  # (a run again: its forward put it on the caller's tensor)
-            if t is None:
-                break
-        if t is None or not t.requires_grad:
-            return True, RemovableHandle(_NO_HOOKS)
-        out = func(t, *args[1:], **(kwargs or {}))
-        for m in modes:  # (removed if a try of any of them stops: see RegionState._call)
-            m.hooked.append(out)
-        return True, out
-
     def _done(self, func, out, args, logical):
         """The call ``func(*args)`` returned ``out``: known, counted, traced (in both runs alike)."""
         if self.known is not None:
@@ -635,7 +613,6 @@ class CaptureMode(TorchFunctionMode):
 # transform's own, which builds a graph, is: see transform_autograd): where something outside
 # differentiates the region's backward, the function runs again instead (spec.foreign)
 _HOOK, _DATA_GET, _GRAD = torch.Tensor.register_hook, torch.Tensor.data.__get__, torch.autograd.grad
-_REDIRECTED = frozenset({_HOOK, torch.Tensor.register_post_accumulate_grad_hook})
 _AUTOGRAD = frozenset({torch.autograd.grad, torch.autograd.backward})
 _NO_HOOKS: collections.OrderedDict = collections.OrderedDict()
 _DATA = frozenset({torch.Tensor.data.__get__, torch.Tensor.data.__set__, _HOOK,

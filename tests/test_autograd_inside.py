@@ -842,7 +842,7 @@ def test_a_hook_on_an_argument_the_caller_also_uses(kind, around):
     """Plain code's hook on an argument sees its whole gradient; the region's went on the Function's input standing for
     it and saw the region's share: 4.1 off under ``grad``, 26 under ``vmap(grad)``, 148 under ``grad`` of ``grad``, up to
     1.6e3 through nested regions, silently (a hostile pass of the last session); a region calling ``torch.func`` had
-    its eager try's hook left on the argument, twice plain's. It goes on the caller's tensor (``_hook_outside``), and
+    its eager try's hook left on the argument, twice plain's. It goes on the caller's tensor (``remat_fn._hook_targets``), and
     the function runs as often as plain code's."""
     results, counts = [], []
     for wrap in (ident, remat):
@@ -999,3 +999,30 @@ def test_a_hook_with_debug_true_under_eager_autograd(on):
         results.append((x.grad, counts))
     _close(results[1][0], results[0][0])
     assert results[1][1] == results[0][1]
+
+
+@pytest.mark.parametrize("calls_torch_func", [False, True])
+@pytest.mark.parametrize("on", ["argument", "closed_over"])
+def test_a_hook_on_a_parameter_no_op_reads(on, calls_torch_func):
+    """Plain code's hook on a parameter nothing reads never runs and ``.grad`` stays None. Where the function calls
+    ``torch.func`` (its region a Function taking the parameter as an input), the hook ran with a zero gradient (at
+    3915fbd), then, once the redirect put it on the caller's tensor and the input got no gradient, with None (a
+    TypeError in the user's hook, a hostile pass): it runs on a gradient only."""
+    results = []
+    for wrap in (ident, remat):
+        P = torch.nn.Parameter(_W3b.clone())
+        Q = torch.nn.Parameter(_W3b.clone() + 1)
+        fired: list = []
+
+        def f(x, q, P=P, Q=Q, fired=fired):
+            (Q if on == "closed_over" else q).register_hook(lambda g: (fired.append(1), g * 3)[1])
+            if calls_torch_func:
+                return grad(lambda a: (a.sin() * P).sum())(x) * x
+            return x.sin() * P
+
+        x = _X3.clone().requires_grad_()
+        wrap(f)(x, Q).pow(2).sum().backward()
+        results.append((x.grad, P.grad, Q.grad, len(fired)))
+    _close(results[1][:2], results[0][:2])
+    assert results[1][2] is None and results[0][2] is None
+    assert results[1][3] == results[0][3] == 0
