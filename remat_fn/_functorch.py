@@ -205,12 +205,12 @@ def wrapped_innermost(levels: dict | None, tops: list[int]) -> list[bool]:
     return [bool(inner) and lv == max(inner) for lv in tops]
 
 
-def as_given(t: torch.Tensor, top: int) -> torch.Tensor:
+def as_given(t: torch.Tensor | None, top: int) -> torch.Tensor | None:
     """A custom Function's saved input as plain code held it at the call (its innermost grad wrapper at level
     ``top``): functorch hands it back wrapped at the Function's level too, without a gradient, where the call's
     input had no wrapper of that level (a tensor the inner ``grad`` does not differentiate), so that ``.data`` or
     ``detach_`` in a run again stripped that wrapper instead of plain code's (4.8 off under ``grad`` of ``grad``)."""
-    while C.is_gradtrackingtensor(t) and (lv := C.maybe_get_level(t)) > top and not t.requires_grad \
+    while t is not None and C.is_gradtrackingtensor(t) and (lv := C.maybe_get_level(t)) > top and not t.requires_grad \
             and not C.is_dead_tensor_wrapper(t) and is_grad_kind(live_levels().get(lv)):  # (a jvp level's: kept, its ops
         t = C.get_unwrapped(t)  # run at that level as plain code's do there)
     return t
