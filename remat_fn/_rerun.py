@@ -84,47 +84,40 @@ def recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None = 
     vjp level, as the forward ran it.  ``outer``: the backward of the Function as functorch applies it
     at a level outside the call's innermost (``outside_innermost``), which differentiates through what
     ``.data``, ``detach_`` or a hook did there: a vjp level of its own inside, for them to act on."""
-    # (autograd called inside differentiates what the call's innermost level wrapped, also where this level does not:
-    # wrapped for it at a level of its own, a RuntimeError "One of the differentiated Tensors does not require grad" until this)
-    tops = wrapped_innermost(spec.levels, spec.inner_wrapped) if spec.foreign == "autograd" and spec.inner_wrapped else []
-    extra = [i for i, w in enumerate(tops) if w and i not in wrt]
-
     def f(*diff_inputs):
-        ts = replace_at(tensors, wrt + extra, diff_inputs) if len(diff_inputs) > len(wrt) else replace_at(tensors, wrt, diff_inputs)
         with torch.set_grad_enabled(spec.grad_mode):  # (the caller's mode, as the forward ran it)
-            outs = checked_outputs(spec, spec.call(ts, None, side is not None, python)[0])
+            outs = checked_outputs(spec, spec.call(replace_at(tensors, wrt, diff_inputs), None, side is not None, python)[0])
         if side is not None:
             side[:] = outs[spec.n_out:]
         return tuple(o for o, d in zip(outs, out_diff) if d)
 
     # (only those: .data of another strips its own outermost level, as in plain code)
     wrapped = wrapped_innermost(spec.levels, [spec.inner_wrapped[i] for i in wrt]) if spec.inner_wrapped else [True] * len(wrt)
-    more = [tensors[i] for i in extra]
     if under_jvp and spec.foreign == "autograd":
-        return functools.partial(_inside, primal_under_vjp, f, [True] * len(wrt), more)
+        return functools.partial(primal_under_vjp, f)
     if under_jvp and spec.foreign and spec.levels and not jvp_innermost(spec.levels):
-        return functools.partial(_inside, primal_under_vjp, f, wrapped, more)
+        return functools.partial(_inside, primal_under_vjp, f, wrapped)
     if not under_jvp and spec.foreign is True and jvp_innermost(spec.levels):
-        return functools.partial(_inside, _under_jvp, f, wrapped, more)
-    if (outer or more) and not under_jvp:
-        return functools.partial(_inside, primal_under_vjp, f, wrapped if outer else [False] * len(wrt), more)
+        return functools.partial(_inside, _under_jvp, f, wrapped)
+    if outer and not under_jvp:
+        return functools.partial(_inside, primal_under_vjp, f, wrapped)
     return f
 
 
-def _inside(level, f, wrapped: list[bool], more: list, *primals):
-    """``f(*primals, *more)`` under a level of its own (``level(g, ...)``: ``primal_under_vjp``, ``_under_jvp``)
-    that wraps the primals ``wrapped`` says and ``more`` (inputs no level outside it differentiates) only."""
+def _inside(level, f, wrapped: list[bool], *primals):
+    """``f(*primals)`` under a level of its own (``level(g, *primals)``: ``primal_under_vjp``, ``_under_jvp``)
+    that wraps the primals ``wrapped`` says only."""
     at = [i for i, w in enumerate(wrapped) if w]
-    if not at and not more:  # (the level all the same: ``detach_`` acts at the innermost level, a no-op on what it does
-        return level(lambda _: f(*primals), torch.zeros(()))  # not wrap, which the levels outside differentiate, as plain code's)
+    if not at:  # (the level all the same: ``detach_`` acts at the innermost level, a no-op on what it does not wrap,
+        return level(lambda _: f(*primals), torch.zeros(()))  # which the levels outside differentiate, as plain code's)
 
     def g(*some):
         full = list(primals)
         for i, t in zip(at, some):
             full[i] = t
-        return f(*full, *some[len(at):])
+        return f(*full)
 
-    return level(g, *[primals[i] for i in at], *more)
+    return level(g, *[primals[i] for i in at])
 
 
 def checked_outputs(spec, outs):

@@ -1027,26 +1027,3 @@ def test_a_hook_on_a_parameter_no_op_reads(on, calls_torch_func):
     assert results[1][2] is None and results[0][2] is None
     assert results[1][3] == results[0][3] == 0
 
-
-def _autograd_inside_over_x(x, w):
-    (g,) = torch.autograd.grad((x.sin() * w).pow(2).sum(), x, create_graph=True)
-    return g * w
-
-
-_XB3 = torch.stack([_X3, 0.5 * _X3 + 0.1])
-_AUTOGRAD_AROUND = {
-    "jvp_w_grad_x": lambda g: jvp(lambda w: grad(lambda x: _mixed_loss(g, x, w))(_X3), (_W3b,), (_W3b.cos(),))[1],
-    "grad_w_vmap_grad_x": lambda g: grad(lambda w: vmap(grad(lambda x: _mixed_loss(g, x, w)))(_XB3).pow(2).sum())(_W3b),
-    "eager_w_vmap_grad_x": lambda g: (lambda w: torch.autograd.grad(vmap(grad(lambda x: _mixed_loss(g, x, w)))(_XB3).pow(2).sum(), w)[0])(
-        _W3b.clone().requires_grad_()),
-    "grad_w_grad_x": lambda g: grad(lambda w: grad(lambda x: _mixed_loss(g, x, w))(_X3).pow(2).sum())(_W3b),
-}
-
-
-@pytest.mark.parametrize("around", list(_AUTOGRAD_AROUND))
-def test_autograd_grad_inside_over_an_argument_an_outer_level_does_not_differentiate(around):
-    """``torch.autograd.grad(..., x)`` inside the region, an outer transform differentiating ``w`` only: the run again of
-    that level wrapped ``w`` alone, so ``x`` required no gradient there ("One of the differentiated Tensors does not
-    require grad", plain code works; at 3915fbd too, a hostile pass). ``x`` is wrapped at a level of its own inside."""
-    fresh = lambda x, w: _autograd_inside_over_x(x, w)  # noqa: E731  (a function object of its own: see NeedsTorchFuncPath)
-    _close(_AUTOGRAD_AROUND[around](remat(fresh)), _AUTOGRAD_AROUND[around](_autograd_inside_over_x))
