@@ -46,6 +46,9 @@ class _Ambient(threading.local):
         self.call_grad: bool | None = None
         # > 0 while a tape makes its own copies inside a dispatch handler (remat_fn._ops.bookkeeping)
         self.bookkeeping = 0
+        # the hooks an abandoned eager try left on the caller's tensors, which the torch.func path's
+        # forward claims instead of registering them again (remat_fn._hook_targets.claiming)
+        self.claims: dict | None = None
         # remat_fn.random's reused generators (remat_fn._random_impl)
         self.generators: dict = {}
         self.scratch: Any = None

@@ -17,6 +17,7 @@ mode turns ``opaque``: a replay cannot run it, the function runs again).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 from typing import Any
 
@@ -24,11 +25,30 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ._ambient import AMBIENT
+from ._torch_internals import hooks_since
 
-__all__ = ["REDIRECTED", "redirect_hook"]
+__all__ = ["REDIRECTED", "redirect_hook", "claiming"]
 
 _HOOK = torch.Tensor.register_hook
 REDIRECTED = frozenset({_HOOK, torch.Tensor.register_post_accumulate_grad_hook})
+_KIND = {_HOOK: 0, torch.Tensor.register_post_accumulate_grad_hook: 1}  # (see hooks_since)
+
+
+@contextlib.contextmanager
+def claiming(tensors, first: int):
+    """The ``torch.func`` path's forward after an abandoned eager try (which stopped at the function's ``torch.func``
+    call): the hooks that try registered on ``tensors`` (its inputs and what it closes over) stay, and a registration
+    of the forward on one of them claims one instead of adding another.  Dropped, a hook the function registers once
+    (behind a flag) was lost (15.2 off, a hostile pass); kept and added again, it fired twice (1.65 off)."""
+    claims: dict = {}
+    for t in tensors:
+        for kind, hooks, k in hooks_since(t, first):
+            claims.setdefault((id(t), kind), []).append((hooks, k))
+    prev, AMBIENT.claims = AMBIENT.claims, claims or None
+    try:
+        yield
+    finally:
+        AMBIENT.claims = prev
 _NONE: collections.OrderedDict = collections.OrderedDict()  # (what a handle that removes nothing points at)
 
 
@@ -54,6 +74,13 @@ def redirect_hook(mode, func, args, kwargs) -> tuple[bool, Any]:
             break
     if t is None or not t.requires_grad:
         return True, RemovableHandle(_NONE)
+    if AMBIENT.claims and (left := AMBIENT.claims.get((id(t), _KIND[func]))):
+        hooks, k = left.pop(0)  # (the abandoned eager try's: see claiming)
+        if func is _HOOK and k in hooks:
+            hooks[k] = functools.partial(_unless_none, hooks[k])
+        out = RemovableHandle(hooks)
+        out.id = k
+        return True, out
     if func is _HOOK:
         args = (t, functools.partial(_unless_none, args[1]), *args[2:])
     out = func(t, *args[1:], **(kwargs or {}))

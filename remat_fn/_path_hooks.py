@@ -55,7 +55,13 @@ class _StopRecompute(Exception):
 
 class NeedsTorchFuncPath(Exception):
     """Internal: the region calls a torch.func transform, which refuses saved-tensor
-    hooks; the caller runs it on the torch.func path (which needs none)."""
+    hooks; the caller runs it on the torch.func path (which needs none).  ``tensors``:
+    its inputs and what it closes over, whose hooks from handle id ``first_hook`` on
+    the try registered."""
+
+    def __init__(self, tensors=(), first_hook: int = 0):
+        super().__init__()
+        self.tensors, self.first_hook = tensors, first_hook
 
 
 _HOOKS_REFUSED = "don't yet support saved tensor hooks"
@@ -306,9 +312,8 @@ def run_with_hooks(call: RegionCall) -> Any:
             snap.restore_now()
         undo.restore_rng()  # (the function's own generators too)
         undo.undo_writes()
-        for t in (*tensors, *reachable_tensors(call.reach_roots()).tensors.values()):  # (its hooks on the inputs and on
-            drop_hooks_since(t, first_hook)  # what it closes over: the torch.func path's forward registers them again)
-        raise NeedsTorchFuncPath() from None
+        # (its hooks on the inputs and on what it closes over: the torch.func path's forward claims them, see claiming)
+        raise NeedsTorchFuncPath([*tensors, *reachable_tensors(call.reach_roots()).tensors.values()], first_hook) from None
     finally:
         _pop_hooks()
         frame.in_forward = False

@@ -61,7 +61,7 @@ import torch
 __all__ = [
     "SUPPORTED_TORCH", "push_hooks", "pop_hooks", "top_hooks", "hooks_enabled", "hooks_disabled_message",
     "enable_hooks", "disable_hooks", "set_version_counter", "functorch", "functorch_active",
-    "DisableTorchFunction", "set_grad_mode", "generator_key", "drop_hooks_since", "TRANSFORMS_FILE",
+    "DisableTorchFunction", "set_grad_mode", "generator_key", "drop_hooks_since", "hooks_since", "TRANSFORMS_FILE",
     "DisableFuncTorch", "DisableTorchDispatch", "dispatch_stack_len", "function_mode_enabled", "TorchDispatchMode",
     "disable_current_modes", "mode_stack", "tree_leaves", "FakeTensorMode", "OpOverload", "OpOverloadPacket",
     "assert_async", "CachingTorchDispatchMode", "checkpoint_flag", "forward_ad_level", "version",
@@ -298,8 +298,14 @@ def generator_key(g: torch.Generator) -> int:
 TRANSFORMS_FILE = _from("torch._functorch.eager_transforms", "__file__")
 
 
+def hooks_since(t: torch.Tensor, first: int) -> list[tuple[int, Any, int]]:
+    """``(kind, dict, id)`` of the hooks on ``t`` whose handles were made from id ``first`` on: kind 0 its tensor hooks,
+    1 its post-accumulate-grad hooks."""
+    return [(kind, hooks, k) for kind, hooks in enumerate((t._backward_hooks, t._post_accumulate_grad_hooks)) for k in hooks or ()
+            if k >= first]
+
+
 def drop_hooks_since(t: torch.Tensor, first: int) -> None:
     """Remove the hooks on ``t`` (and the post-accumulate-grad ones) whose handles were made from id ``first`` on."""
-    for hooks in (t._backward_hooks, t._post_accumulate_grad_hooks):
-        for k in [k for k in hooks or () if k >= first]:
-            del hooks[k]
+    for _, hooks, k in hooks_since(t, first):
+        del hooks[k]

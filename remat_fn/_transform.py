@@ -26,6 +26,7 @@ import torch
 
 from ._errors import explain_misuse
 from ._functorch import nested_forward_mode, transforms_active
+from ._hook_targets import claiming
 from ._path_compile import run_compiled
 from ._path_hooks import NeedsTorchFuncPath, hooks_enabled, run_with_hooks
 from ._path_torch_func import run_torch_func
@@ -327,11 +328,12 @@ def run_region(call: RegionCall) -> Any:
         outer = call.opts.outer_hooks(call) if call.opts.outer_hooks is not None else None
         try:
             return _under(outer, run_with_hooks, call)
-        except NeedsTorchFuncPath:
+        except NeedsTorchFuncPath as e:
             # fun calls torch.func.grad/vjp/...: the autograd.Function path needs no hooks (the
             # try's writes into tensors from outside were put back, see run_with_hooks)
             call.note_torch_func()
-            return run_torch_func(call, calls_torch_func=True)
+            with claiming(e.tensors, e.first_hook):
+                return run_torch_func(call, calls_torch_func=True)
 
 
 def _under(hooks, fn, *args, **kwargs):
