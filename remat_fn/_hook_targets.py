@@ -38,10 +38,12 @@ _KIND = {_HOOK: 0, torch.Tensor.register_post_accumulate_grad_hook: 1}  # (see h
 def claiming(tensors, first: int):
     """The ``torch.func`` path's forward after an abandoned eager try (which stopped at the function's ``torch.func``
     call): the hooks that try registered on ``tensors`` (its inputs and what it closes over) stay, and a registration
-    of the forward on one of them claims one instead of adding another.  Dropped, a hook the function registers once
-    (behind a flag) was lost (15.2 off, a hostile pass); kept and added again, it fired twice (1.65 off)."""
+    of the forward on one of them takes the place of one, with its own function (whose closure sees what the function
+    did after the ``torch.func`` call, where the try stopped).  Dropped, a hook the function registers once (behind a
+    flag) was lost (15.2 off, a hostile pass); kept and added again, it fired twice (1.65 off); kept as the try left it,
+    its closure saw the try's objects (5.4x off, a hostile pass)."""
     claims: dict = {}
-    for t in tensors:
+    for t in {id(t): t for t in tensors}.values():  # (a tensor passed twice, or passed and closed over: once)
         for kind, hooks, k in hooks_since(t, first):
             claims.setdefault((id(t), kind), []).append((hooks, k))
     prev, AMBIENT.claims = AMBIENT.claims, claims or None
@@ -74,16 +76,15 @@ def redirect_hook(mode, func, args, kwargs) -> tuple[bool, Any]:
             break
     if t is None or not t.requires_grad:
         return True, RemovableHandle(_NONE)
-    if AMBIENT.claims and (left := AMBIENT.claims.get((id(t), _KIND[func]))):
-        hooks, k = left.pop(0)  # (the abandoned eager try's: see claiming)
-        if func is _HOOK and k in hooks:
-            hooks[k] = functools.partial(_unless_none, hooks[k])
-        out = RemovableHandle(hooks)
-        out.id = k
-        return True, out
     if func is _HOOK:
         args = (t, functools.partial(_unless_none, args[1]), *args[2:])
-    out = func(t, *args[1:], **(kwargs or {}))
+    if AMBIENT.claims and (left := AMBIENT.claims.get((id(t), _KIND[func]))):
+        hooks, k = left.pop(0)  # (the abandoned eager try's, in its place among the tensor's hooks: this run's function,
+        hooks[k] = args[1]  # whose closure sees what the function did after its torch.func call, see claiming)
+        out = RemovableHandle(hooks)
+        out.id = k
+    else:
+        out = func(t, *args[1:], **(kwargs or {}))
     for m in modes:  # (removed if a try of any of them stops: see RegionState._call)
         m.hooked.append(out)
     return True, out
