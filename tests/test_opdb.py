@@ -59,6 +59,7 @@ import zlib
 import pytest
 
 pytest.importorskip("expecttest")  # op_db imports it
+pytest.importorskip("numpy")  # (and this)
 
 import torch  # noqa: E402
 from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
