@@ -201,8 +201,8 @@ def grad_tops(tensors) -> list[int]:
 def wrapped_innermost(levels: dict | None, tops: list[int]) -> list[bool]:
     """Which tensors (their ``grad_tops`` at the call) the innermost differentiating level active at a call
     (``levels``) wraps: what its ``.data`` or ``detach_`` strips from them there (see :func:`outside_innermost`)."""
-    inner = [lv for lv, kind in (levels or {}).items() if not is_vmap_kind(kind)]
-    return [bool(inner) and lv == max(inner) for lv in tops]
+    top = max((lv for lv, kind in (levels or {}).items() if not is_vmap_kind(kind)), default=None)
+    return [top is not None and lv == top for lv in tops]
 
 
 def as_given(t: torch.Tensor | None, top: int) -> torch.Tensor | None:
