@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils.hooks import RemovableHandle
 
 from ._ambient import AMBIENT
 from ._capture_ops import ONLY_CPP, ONLY_PY, Produced, carry_grad, in_place, write_below
@@ -45,7 +44,7 @@ from ._functorch import (
     unwrap_all,
     unwrap_one,
 )
-from ._hook_targets import REDIRECTED, redirect_hook
+from ._hook_targets import REDIRECTED, no_hook, redirect_hook
 from ._ops import untracked_stats
 from ._record import recording_tapes
 from ._region import as_caller, region_depth
@@ -532,7 +531,7 @@ class CaptureMode(TorchFunctionMode):
                 # (a forward-mode recomputation, which differentiates nothing: the hook has nothing to act on; a tensor plain
                 # code holds batched, where the innermost transform is a vmap (one the function entered itself, else the
                 # call's, see innermost_kind): plain code's hook never fires on it; hostile passes)
-                return RemovableHandle(_NO_HOOKS)
+                return no_hook()
             if func in REDIRECTED and (h := redirect_hook(self, func, args, kwargs))[0]:
                 return h[1]
             if logical is not None:
@@ -614,7 +613,6 @@ class CaptureMode(TorchFunctionMode):
 # differentiates the region's backward, the function runs again instead (spec.foreign)
 _HOOK, _DATA_GET, _GRAD = torch.Tensor.register_hook, torch.Tensor.data.__get__, torch.autograd.grad
 _AUTOGRAD = frozenset({torch.autograd.grad, torch.autograd.backward})
-_NO_HOOKS: collections.OrderedDict = collections.OrderedDict()
 _DATA = frozenset({torch.Tensor.data.__get__, torch.Tensor.data.__set__, _HOOK,
                    torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.detach_}) | _AUTOGRAD
 

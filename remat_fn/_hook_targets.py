@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from ._ambient import AMBIENT
 from ._torch_internals import hooks_since
 
-__all__ = ["REDIRECTED", "redirect_hook", "claiming"]
+__all__ = ["REDIRECTED", "redirect_hook", "claiming", "no_hook"]
 
 _HOOK = torch.Tensor.register_hook
 REDIRECTED = frozenset({_HOOK, torch.Tensor.register_post_accumulate_grad_hook})
@@ -51,7 +51,14 @@ def claiming(tensors, first: int):
         yield
     finally:
         AMBIENT.claims = prev
+
+
 _NONE: collections.OrderedDict = collections.OrderedDict()  # (what a handle that removes nothing points at)
+
+
+def no_hook() -> RemovableHandle:
+    """The handle of a registration that registers nothing (a hook plain code's tensor would never run)."""
+    return RemovableHandle(_NONE)
 
 
 def _unless_none(hook, grad):
@@ -75,7 +82,7 @@ def redirect_hook(mode, func, args, kwargs) -> tuple[bool, Any]:
         if t is None:
             break
     if t is None or not t.requires_grad:
-        return True, RemovableHandle(_NONE)
+        return True, no_hook()
     if func is _HOOK:
         args = (t, functools.partial(_unless_none, args[1]), *args[2:])
     if AMBIENT.claims and (left := AMBIENT.claims.get((id(t), _KIND[func]))):

@@ -217,8 +217,10 @@ class HookFrame(Frame):
         finally:
             _pop_hooks()
             if RemovableHandle.next_id != first_hook:  # (the forward's hooks on its inputs and what it closes over fire in
-                for t in (*_input_tensors(args, kwargs)[1], *reachable_tensors(self.fun).tensors.values()):  # backward:
-                    drop_hooks_since(t, first_hook)  # this run's twice, 3.7 to 2.5e8 off with debug=True until this)
+                # backward: this run's twice, 3.7 to 2.5e8 off with debug=True until this; the forward's walk where it kept one)
+                reach = self.reach if self.reach is not None else reachable_tensors(self.fun)
+                for t in (*_input_tensors(args, kwargs)[1], *reach.tensors.values()):
+                    drop_hooks_since(t, first_hook)
         if counter[0] <= last or (not early and counter[0] != len(meta)):
             self._mismatch(
                 f"{counter[0]} tensors were saved on recompute but the forward saved "
