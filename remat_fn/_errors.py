@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from torch.utils.checkpoint import CheckpointError
 
 from ._describe import describe
 
@@ -27,12 +28,14 @@ class RematError(RuntimeError):
     """Base class of every error raised by :mod:`remat_fn`."""
 
 
-class RecomputeMismatchError(RematError):
+class RecomputeMismatchError(RematError, CheckpointError):
     """The recomputation produced different tensors from the original forward.
 
     Raised when the number, shape, dtype or device of the tensors saved (or
     returned) during recomputation differs from the first run. With
     ``debug=True`` the message lists both op traces with user source lines.
+    Also a ``torch.utils.checkpoint.CheckpointError``, which torch's checkpoint
+    raises there: code catching that catches this.
     """
 
 

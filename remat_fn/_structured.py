@@ -60,15 +60,14 @@ def _run_chain(functions, x):
 def sequential_segments(functions, segments, input, *, policy, preserve_rng_state):
     """``checkpoint_sequential``'s segmentation with remat (shared by ``remat_sequential``
     and :func:`remat_fn.compat.checkpoint_sequential`)."""
-    if isinstance(functions, torch.nn.Sequential):
-        functions = list(functions.children())
-    else:
-        functions = list(functions)
+    # (every entry, a module repeated included, as the Sequential itself runs them: torch's
+    # checkpoint_sequential takes children(), which lists a repeated module once)
+    functions = list(functions)
     if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
         raise ValueError(f"segments must be a positive int, got {segments!r}")
     n = len(functions)
     if n == 0:
-        return input  # torch's checkpoint_sequential of nothing is the identity too
+        return input  # (as an empty nn.Sequential; torch's checkpoint_sequential raises a ValueError)
     segments = min(segments, n)
     size = n // segments
     end = -1

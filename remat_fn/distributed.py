@@ -89,7 +89,7 @@ import torch
 import torch.distributed as dist
 
 from ._describe import describe_meta
-from ._errors import RematError
+from ._errors import RematError, explain_misuse
 from ._functorch import transforms_active
 from ._offload import Stored, take_request
 from ._path_hooks import hooks_enabled
@@ -458,6 +458,16 @@ def _partitioning_possible() -> bool:
     return torch.is_grad_enabled() and hooks_enabled()
 
 
+def _deepspeed_habit(args: tuple, kwargs: dict) -> str | None:
+    """The fix for calling it as DeepSpeed's or torch's ``checkpoint(function, *args)``."""
+    if len(args) <= 1:
+        return None
+    return ("remat_fn.distributed.remat (alias checkpoint, as in JAX) takes only the function and returns a "
+            "wrapper to call with the arguments: remat(fn, group=...)(*args). For the form "
+            "checkpoint(function, *args) of DeepSpeed and torch.utils.checkpoint, use remat_fn.compat.checkpoint(fn, *args).")
+
+
+@explain_misuse(_deepspeed_habit)
 def remat(
     fun: F | None = None,
     /,

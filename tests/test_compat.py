@@ -222,6 +222,42 @@ def test_checkpoint_sequential(segments, as_list):
     assert_tree_close(torch.autograd.grad(out.sum(), (x, *net.parameters())), ref, exact=True)
 
 
+def test_checkpoint_sequential_runs_a_repeated_module_each_time():
+    """A module held twice by an ``nn.Sequential`` runs twice, as ``seq(x)`` runs it (torch's
+    checkpoint_sequential takes ``children()``, which lists it once: another network, silently)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3)
+    seq = torch.nn.Sequential(lin, torch.nn.Tanh(), lin, torch.nn.Tanh())
+    x = torch.randn(2, 3, requires_grad=True)
+    ref = torch.autograd.grad(seq(x).sum(), (x, *seq.parameters()))
+    for out in (checkpoint_sequential(seq, 2, x, use_reentrant=False), remat_fn.remat_sequential(seq, 2, x)):
+        torch.testing.assert_close(out, seq(x))
+        assert_tree_close(torch.autograd.grad(out.sum(), (x, *seq.parameters())), ref, exact=True)
+    # an empty Sequential is the identity, as nn.Sequential()(x) (torch raises a ValueError)
+    assert checkpoint_sequential(torch.nn.Sequential(), 1, x, use_reentrant=False) is x
+    with pytest.raises(ValueError, match="segments must be a positive int"):
+        checkpoint_sequential(seq, 0, x, use_reentrant=False)
+
+
+def test_recompute_mismatch_is_torchs_checkpoint_error():
+    """A recomputation checked and found different raises what torch's checkpoint raises there
+    (``CheckpointError``), also a ``RematError``: code catching either catches it."""
+    a = torch.randn(1, requires_grad=True)
+    fn = _non_det(lambda x: x.sin().exp(), lambda x: x.sin() * torch.tensor([1.0, 2.0]))
+    out = checkpoint(fn, a, early_stop=False)
+    with pytest.raises(tc.CheckpointError, match="did not reproduce") as info:
+        out.sum().backward()
+    assert isinstance(info.value, remat_fn.RecomputeMismatchError) and isinstance(info.value, remat_fn.RematError)
+
+
+def test_distributed_checkpoint_called_as_deepspeeds_names_the_fix():
+    from remat_fn import distributed
+
+    with pytest.raises(TypeError, match=r"remat_fn.compat.checkpoint\(fn, \*args\)"):
+        distributed.checkpoint(torch.sin, torch.randn(2))
+    torch.testing.assert_close(distributed.checkpoint(torch.sin)(torch.ones(2)), torch.ones(2).sin())
+
+
 def test_checkpoint_sequential_unexpected_kwargs():
     with pytest.raises(ValueError, match="Unexpected keyword"):
         checkpoint_sequential([torch.sin], 1, torch.randn(2), foo=1)
