@@ -17,7 +17,7 @@ from ._torch_internals import DisableFuncTorch, DisableTorchDispatch, DisableTor
 __all__ = [
     "C", "transforms_active", "transform_stack", "transform_kinds", "is_wrapped", "unwrap_one",
     "unwrap_all", "version_alias",
-    "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead", "grad_tops", "as_given",
+    "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead", "grad_tops", "as_given", "rewrapped",
     "forward_mode_active", "forward_mode_at", "nested_forward_mode", "carries_grad", "any_batched", "batched_first", "from_lowered_level",
     "requires_grad_anywhere", "outside_innermost",
     "wrapped_innermost", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
@@ -203,6 +203,20 @@ def wrapped_innermost(levels: dict | None, tops: list[int]) -> list[bool]:
     (``levels``) wraps: what its ``.data`` or ``detach_`` strips from them there (see :func:`outside_innermost`)."""
     top = max((lv for lv, kind in (levels or {}).items() if not is_vmap_kind(kind)), default=None)
     return [top is not None and lv == top for lv in tops]
+
+
+def rewrapped(t, top: int):
+    """``t``, an input the call's innermost grad level (``top``) wrapped without differentiating it (``w`` in
+    ``jacrev(f)(X, w)``, ``grad(f)(X, w)``: functorch wraps every argument), in a run again whose own vjp level
+    stands innermost: wrapped there too, where that wrapper is gone (its level exited: ``jacrev``'s ``vjp_fn`` runs
+    after it), so that ``.data`` strips the run's wrapper, as plain code's strips the call's, and the levels outside
+    differentiate through it (it stripped theirs: 2.2 off under ``grad`` around ``jacrev``)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    t = unwrap_if_dead(t)
+    if C.is_gradtrackingtensor(t) and C.maybe_get_level(t) >= top:
+        return t
+    return wrap_at_top(t)
 
 
 def as_given(t: torch.Tensor | None, top: int) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ import torch
 from ._describe import describe, describe_meta
 from ._errors import RecomputeMismatchError, RematError
 from ._func_semantics import RegionState, out_meta, primal_under_vjp, random_in_vmap, replace_at
-from ._functorch import jvp_innermost, transform_kinds, wrapped_innermost
+from ._functorch import jvp_innermost, rewrapped, transform_kinds, wrapped_innermost
 from ._record import Diverged, saving
 
 __all__ = ["check_again", "rerun_vjp", "recompute_fn"]
@@ -84,9 +84,16 @@ def recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None = 
     vjp level, as the forward ran it.  ``outer``: the backward of the Function as functorch applies it
     at a level outside the call's innermost (``outside_innermost``), which differentiates through what
     ``.data``, ``detach_`` or a hook did there: a vjp level of its own inside, for them to act on."""
+    # (an input the call's innermost level wrapped without differentiating it: see rewrapped)
+    top = max(spec.inner_wrapped, default=0) if spec.foreign and spec.inner_wrapped and not under_jvp else 0
+    held = [i for i, w in enumerate(wrapped_innermost(spec.levels, spec.inner_wrapped)) if w and i not in wrt] if top else []
+
     def f(*diff_inputs):
+        args = replace_at(tensors, wrt, diff_inputs)
+        for i in held:
+            args[i] = rewrapped(args[i], top)
         with torch.set_grad_enabled(spec.grad_mode):  # (the caller's mode, as the forward ran it)
-            outs = checked_outputs(spec, spec.call(replace_at(tensors, wrt, diff_inputs), None, side is not None, python)[0])
+            outs = checked_outputs(spec, spec.call(args, None, side is not None, python)[0])
         if side is not None:
             side[:] = outs[spec.n_out:]
         return tuple(o for o, d in zip(outs, out_diff) if d)

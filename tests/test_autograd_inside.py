@@ -909,6 +909,51 @@ def test_data_or_detach_in_place_of_a_tensor_the_inner_level_does_not_wrap(case,
     _close(_MIXED_AROUND[around](remat(f)), _MIXED_AROUND[around](f))
 
 
+_XW, _WW = torch.tensor([[0.3, -1.2, 2.0, 0.7], [1.1, 0.4, -0.6, 0.2], [-0.9, 0.8, 0.5, -1.4]], dtype=D), \
+    torch.tensor([[0.5, -1.5], [2.0, 0.3], [-0.7, 1.2], [0.9, -0.4]], dtype=D)
+_PASSED = {  # (``w`` an argument of the inner transform, which differentiates ``X`` only: functorch wraps it there too)
+    "data": lambda X, w: (X @ w.data).sin() * w.sum(),
+    "detach_in_place": lambda X, w: (X @ (w * 1.0).detach_()).sin() * w.sum(),
+    "data_times_w": lambda X, w: (X.sin() @ (w.data * w)).cos() * (w ** 2).sum(),
+}
+_PASSED_AROUND = {
+    "grad_w_jacrev_x": lambda f: grad(lambda w: torch.func.jacrev(f)(_XW, w).pow(2).sum())(_WW),
+    "grad_w_grad_x": lambda f: grad(lambda w: grad(lambda X, w: f(X, w).pow(2).sum())(_XW, w).pow(2).sum())(_WW),
+    "jacrev_w_jacrev_x": lambda f: torch.func.jacrev(lambda w: torch.func.jacrev(f)(_XW, w).sum((0, 1)))(_WW),
+    "grad_w_vmap_grad_x": lambda f: grad(lambda w: vmap(lambda x, w: grad(lambda x, w: f(x[None], w).pow(2).sum())(x, w),
+                                                        in_dims=(0, None))(_XW, w).pow(2).sum())(_WW),
+    "grad_w_jacfwd_x": lambda f: grad(lambda w: jacfwd(f)(_XW, w).pow(2).sum())(_WW),
+    "jacfwd_w_jacrev_x": lambda f: jacfwd(lambda w: torch.func.jacrev(f)(_XW, w).sum((0, 1)))(_WW),
+    "grad_w_grad_v_jacrev_x": lambda f: grad(lambda w: grad(lambda v, w: torch.func.jacrev(f)(_XW * v, w).pow(2).sum())(
+        torch.tensor(1.3, dtype=D), w).pow(2))(_WW),
+    "eager_w_jacrev_x": lambda f: (lambda w: torch.autograd.grad(torch.func.jacrev(f)(_XW, w).pow(2).sum(), w)[0])(
+        _WW.clone().requires_grad_()),
+}
+_PASSED_NESTED_OPEN = pytest.mark.xfail(strict=True, reason="open, silent (at 71e1192 too): a region nested in another, "
+                                        "w passed through both, the inner transform a grad: the nested region's call sees "
+                                        "w's wrapper of the inner grad level below the enclosing region's own level, "
+                                        "which stands innermost there (9.8 off for .data, 5e-3 for .data * w)")
+
+
+def _nested_passing(body, wrap):
+    inner = wrap(body)
+    return wrap(lambda X, w: inner(X * 1.1, w).tanh() * w.mean())
+
+
+@pytest.mark.parametrize("case,around,nested", [
+    pytest.param(c, a, n, marks=_PASSED_NESTED_OPEN) if n and c != "detach_in_place" and a in ("grad_w_grad_x", "grad_w_vmap_grad_x")
+    else (c, a, n) for c in _PASSED for a in _PASSED_AROUND for n in (False, True)])
+def test_data_of_an_argument_a_transform_wraps_without_differentiating_it(case, around, nested):
+    """``jacrev(f)(X, w)`` and ``grad(f)(X, w)`` wrap ``w`` at their level too, without a gradient: plain code's ``w.data``
+    strips that wrapper, and the levels outside differentiate through it. ``jacrev``'s ``vjp_fn`` runs after its level
+    exited, where the run again of a region reading ``.data`` saw ``w`` without that wrapper and stripped the outer
+    level's: 2.2 to 8.5e3 off, eager autograd around ``jacrev`` too, silently (at 71e1192); now ``w`` is wrapped at the run
+    again's own level there (``rewrapped``)."""
+    f = _PASSED[case]
+    build = _nested_passing if nested else (lambda body, wrap: wrap(body))
+    _close(_PASSED_AROUND[around](build(f, remat)), _PASSED_AROUND[around](build(f, ident)))
+
+
 def _count_hook(counts, key="hook"):
     def hook(g):
         counts[key] = counts.get(key, 0) + 1
