@@ -205,18 +205,14 @@ def wrapped_innermost(levels: dict | None, tops: list[int]) -> list[bool]:
     return [top is not None and lv == top for lv in tops]
 
 
-def rewrapped(t, top: int):
-    """``t``, an input the call's innermost grad level (``top``) wrapped without differentiating it (``w`` in
-    ``jacrev(f)(X, w)``, ``grad(f)(X, w)``: functorch wraps every argument), in a run again whose own vjp level
-    stands innermost: wrapped there too, where that wrapper is gone (its level exited: ``jacrev``'s ``vjp_fn`` runs
-    after it), so that ``.data`` strips the run's wrapper, as plain code's strips the call's, and the levels outside
-    differentiate through it (it stripped theirs: 2.2 off under ``grad`` around ``jacrev``)."""
-    if not isinstance(t, torch.Tensor):
-        return t
-    t = unwrap_if_dead(t)
-    if C.is_gradtrackingtensor(t) and C.maybe_get_level(t) >= top:
-        return t
-    return wrap_at_top(t)
+def rewrapped(t):
+    """``t``, an input the call's innermost grad level wrapped without differentiating it (``w`` in ``jacrev(f)(X, w)``,
+    ``grad(f)(X, w)``: functorch wraps every argument), in a run again whose own vjp level stands for that level: wrapped
+    there too, so that ``.data`` strips the run's wrapper, as plain code's strips the call's, and the levels outside
+    differentiate through it.  Where the call's wrapper is gone (``jacrev``'s ``vjp_fn`` runs after its level exited)
+    ``.data`` stripped the outer level's (2.2 off under ``grad`` around ``jacrev``); where it is alive, a region nested
+    in the run saw ``w`` wrapped below the run's level, not at the innermost (9.8 off)."""
+    return wrap_at_top(unwrap_if_dead(t)) if isinstance(t, torch.Tensor) else t
 
 
 def as_given(t: torch.Tensor | None, top: int) -> torch.Tensor | None:

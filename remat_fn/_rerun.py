@@ -85,13 +85,13 @@ def recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None = 
     at a level outside the call's innermost (``outside_innermost``), which differentiates through what
     ``.data``, ``detach_`` or a hook did there: a vjp level of its own inside, for them to act on."""
     # (an input the call's innermost level wrapped without differentiating it: see rewrapped)
-    top = max(spec.inner_wrapped, default=0) if spec.foreign and spec.inner_wrapped and not under_jvp else 0
-    held = [i for i, w in enumerate(wrapped_innermost(spec.levels, spec.inner_wrapped)) if w and i not in wrt] if top else []
+    held = [i for i, w in enumerate(wrapped_innermost(spec.levels, spec.inner_wrapped)) if w and i not in wrt] \
+        if spec.foreign and spec.inner_wrapped and not under_jvp else []
 
     def f(*diff_inputs):
         args = replace_at(tensors, wrt, diff_inputs)
         for i in held:
-            args[i] = rewrapped(args[i], top)
+            args[i] = rewrapped(args[i])
         with torch.set_grad_enabled(spec.grad_mode):  # (the caller's mode, as the forward ran it)
             outs = checked_outputs(spec, spec.call(args, None, side is not None, python)[0])
         if side is not None:

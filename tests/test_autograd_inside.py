@@ -929,26 +929,21 @@ _PASSED_AROUND = {
     "eager_w_jacrev_x": lambda f: (lambda w: torch.autograd.grad(torch.func.jacrev(f)(_XW, w).pow(2).sum(), w)[0])(
         _WW.clone().requires_grad_()),
 }
-_PASSED_NESTED_OPEN = pytest.mark.xfail(strict=True, reason="open, silent (at 71e1192 too): a region nested in another, "
-                                        "w passed through both, the inner transform a grad: the nested region's call sees "
-                                        "w's wrapper of the inner grad level below the enclosing region's own level, "
-                                        "which stands innermost there (9.8 off for .data, 5e-3 for .data * w)")
-
-
 def _nested_passing(body, wrap):
     inner = wrap(body)
     return wrap(lambda X, w: inner(X * 1.1, w).tanh() * w.mean())
 
 
-@pytest.mark.parametrize("case,around,nested", [
-    pytest.param(c, a, n, marks=_PASSED_NESTED_OPEN) if n and c != "detach_in_place" and a in ("grad_w_grad_x", "grad_w_vmap_grad_x")
-    else (c, a, n) for c in _PASSED for a in _PASSED_AROUND for n in (False, True)])
+@pytest.mark.parametrize("nested", [False, True], ids=["one_region", "nested"])
+@pytest.mark.parametrize("around", list(_PASSED_AROUND))
+@pytest.mark.parametrize("case", list(_PASSED))
 def test_data_of_an_argument_a_transform_wraps_without_differentiating_it(case, around, nested):
     """``jacrev(f)(X, w)`` and ``grad(f)(X, w)`` wrap ``w`` at their level too, without a gradient: plain code's ``w.data``
     strips that wrapper, and the levels outside differentiate through it. ``jacrev``'s ``vjp_fn`` runs after its level
     exited, where the run again of a region reading ``.data`` saw ``w`` without that wrapper and stripped the outer
-    level's: 2.2 to 8.5e3 off, eager autograd around ``jacrev`` too, silently (at 71e1192); now ``w`` is wrapped at the run
-    again's own level there (``rewrapped``)."""
+    level's: 2.2 to 8.5e3 off, eager autograd around ``jacrev`` too; and a region nested in one that runs again saw
+    ``w`` wrapped below that run's own level, not at the innermost: 9.8 off under ``grad`` around ``grad(f)(X, w)``,
+    silently (at 71e1192). ``w`` is wrapped at the run again's own level now (``rewrapped``)."""
     f = _PASSED[case]
     build = _nested_passing if nested else (lambda body, wrap: wrap(body))
     _close(_PASSED_AROUND[around](build(f, remat)), _PASSED_AROUND[around](build(f, ident)))
