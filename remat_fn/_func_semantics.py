@@ -418,7 +418,7 @@ class RegionState:
     """One call's state on this path: everything the Function needs that is not a
     tensor input (mutable: the forward fills in what backward reads)."""
 
-    __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "reach",
+    __slots__ = ("run", "n_in", "captured", "rng", "out_meta", "out_box", "name", "debug", "reach", "inner_rg",
                  "fwd_hits", "rec", "needs", "trace", "views", "autocast", "produced", "prof",
                  "plain_bytes", "expand", "grad_mode", "escapes", "escaped", "n_out", "diff", "keep_graph", "unsure",
                  "offload", "tape", "plan", "outside", "written", "frame", "graph", "dmeta", "dpos", "wrt",
@@ -441,7 +441,7 @@ class RegionState:
         self.given_ids, self.callers = [], None
         self.layers = None  # under vmap of forward mode: the batch layers of the inputs and outputs
         self.logical: LogicalTape | bool | None = None  # the forward's torch calls, where recorded (True: to record)
-        self.inner_wrapped: list[int] = []  # (each input's innermost grad level at the call: see recompute_fn, saved_inputs)
+        self.inner_wrapped, self.inner_rg = [], []  # (each input's innermost grad level at the call, requires_grad there)
         self.inner_kind = None  # (the innermost transform plain code would run the function under, see innermost_kind)
         self.apart: list[bool] | None = None  # see remat_fn._functorch.apart_inputs
         self.unused: list[bool] | None = None  # (eager autograd around vmap: see _RematFunction.forward)

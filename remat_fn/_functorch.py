@@ -12,12 +12,22 @@ from __future__ import annotations
 
 import torch
 
-from ._torch_internals import DisableFuncTorch, DisableTorchDispatch, DisableTorchFunction, forward_ad_level, functorch, functorch_active, is_view
+from ._torch_internals import (
+    DisableFuncTorch,
+    DisableTorchDispatch,
+    DisableTorchFunction,
+    forward_ad_level,
+    functorch,
+    functorch_active,
+    inplace_requires_grad,
+    is_view,
+)
 
 __all__ = [
     "C", "transforms_active", "transform_stack", "transform_kinds", "is_wrapped", "unwrap_one",
     "unwrap_all", "version_alias",
     "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead", "grad_tops", "as_given", "rewrapped",
+    "differentiable_at_top",
     "forward_mode_active", "forward_mode_at", "nested_forward_mode", "carries_grad", "any_batched", "batched_first", "from_lowered_level",
     "requires_grad_anywhere", "outside_innermost",
     "wrapped_innermost", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
@@ -213,6 +223,15 @@ def rewrapped(t):
     ``.data`` stripped the outer level's (2.2 off under ``grad`` around ``jacrev``); where it is alive, a region nested
     in the run saw ``w`` wrapped below the run's level, not at the innermost (9.8 off)."""
     return wrap_at_top(unwrap_if_dead(t)) if isinstance(t, torch.Tensor) else t
+
+
+def differentiable_at_top(t):
+    """``t`` wrapped at the innermost live transform, a grad level, requiring grad there (as ``torch.func.vjp`` makes its
+    primals), for ``torch.autograd.grad`` of it inside a run again whose level stands for one that differentiated it."""
+    if not is_grad_kind(live_levels().get(current_level())):
+        return t
+    with inplace_requires_grad(True):
+        return wrap_at_top(unwrap_if_dead(t)).requires_grad_()
 
 
 def as_given(t: torch.Tensor | None, top: int) -> torch.Tensor | None:

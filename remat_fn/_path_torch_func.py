@@ -545,7 +545,7 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         spec.fwd = forward_mode_at(levels)  # (not stopped by no_grad: see forward_reached)
         # (and under no_grad, where the function may enable grad itself: its outputs tell, see mask)
         spec.needs = [needs_grad(t) and differentiable(t) for t in (*inputs, *closed)]
-        spec.inner_wrapped = grad_tops((*inputs, *closed))  # (see recompute_fn, saved_inputs)
+        spec.inner_wrapped, spec.inner_rg = grad_tops(both := (*inputs, *closed)), [t.requires_grad for t in both]  # (see recompute_fn)
         # (the inputs reverse mode differentiates: under forward mode the others, which only a jvp level
         # wraps, stay out of the forward's vjp level, see forward)
         if spec.fwd:

@@ -16,7 +16,7 @@ import torch
 from ._describe import describe, describe_meta
 from ._errors import RecomputeMismatchError, RematError
 from ._func_semantics import RegionState, out_meta, primal_under_vjp, random_in_vmap, replace_at
-from ._functorch import jvp_innermost, rewrapped, transform_kinds, wrapped_innermost
+from ._functorch import differentiable_at_top, jvp_innermost, rewrapped, transform_kinds, wrapped_innermost
 from ._record import Diverged, saving
 
 __all__ = ["check_again", "rerun_vjp", "recompute_fn"]
@@ -86,12 +86,16 @@ def recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None = 
     ``.data``, ``detach_`` or a hook did there: a vjp level of its own inside, for them to act on."""
     # (an input the call's innermost level wrapped without differentiating it: see rewrapped)
     held = [i for i, w in enumerate(wrapped_innermost(spec.levels, spec.inner_wrapped)) if w and i not in wrt] \
-        if spec.foreign and spec.inner_wrapped and not under_jvp else []
+        if spec.foreign and spec.inner_wrapped and (not under_jvp or spec.foreign == "autograd") else []  # (the jvp rule's: under a vjp level, below)
+
+    # (one it differentiated there, where the function calls autograd itself: requiring grad, as plain code's does, for
+    # its torch.autograd.grad of it ("One of the differentiated Tensors does not require grad" until this))
+    needed = [i in held and spec.foreign == "autograd" and spec.inner_rg[i] for i in range(len(tensors))] if held else []
 
     def f(*diff_inputs):
         args = replace_at(tensors, wrt, diff_inputs)
         for i in held:
-            args[i] = rewrapped(args[i])
+            args[i] = differentiable_at_top(args[i]) if needed[i] else rewrapped(args[i])
         with torch.set_grad_enabled(spec.grad_mode):  # (the caller's mode, as the forward ran it)
             outs = checked_outputs(spec, spec.call(args, None, side is not None, python)[0])
         if side is not None:

@@ -112,6 +112,8 @@ for _name in ("is_functorch_wrapped_tensor", "get_unwrapped", "unwrap_if_dead", 
               "CVmapInterpreterPtr", "RandomnessType", "is_batchedtensor", "maybe_get_bdim", "_add_batch_dim"):
     _attr(functorch, "torch._C._functorch", _name)
 functorch_active = _attr(torch._C, "torch._C", "_are_functorch_transforms_active")
+# (``requires_grad_()`` on a wrapper inside a transform, as ``torch.func.vjp`` makes its primals differentiable)
+inplace_requires_grad = _from("torch._functorch.eager_transforms", "enable_inplace_requires_grad")
 # NOTE [custom Functions under functorch]: under a functorch transform ``Function.apply``
 # calls this higher-order op (a torch function mode sees it), and the graph's node is of a
 # class generated per level, whose ``forward`` closes over the user's class

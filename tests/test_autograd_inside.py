@@ -949,6 +949,86 @@ def test_data_of_an_argument_a_transform_wraps_without_differentiating_it(case, 
     _close(_PASSED_AROUND[around](build(f, remat)), _PASSED_AROUND[around](build(f, ident)))
 
 
+def _grad_of_x_inside(x, w):
+    (g,) = torch.autograd.grad((x.sin() * w).sum(), x, create_graph=True)
+    return g * w + x.cos()
+
+
+def _grad_of_w_inside(x, w):
+    (g,) = torch.autograd.grad((x.sin() * w * w).sum(), w, create_graph=True)
+    return g * x + w.cos()
+
+
+def _grad_of_both_inside(x, w):
+    a, b = torch.autograd.grad((x.sin() * w.exp()).sum(), (x, w), create_graph=True)
+    return a * b + x * w
+
+
+_INSIDE = {"x": _grad_of_x_inside, "w": _grad_of_w_inside, "both": _grad_of_both_inside}
+_X3w = torch.tensor([0.3, -1.2, 2.0], dtype=D)
+
+
+def _in_loss(f, x, w):
+    return (f(x, w) * x.cos()).sum()
+
+
+def _leaf(t):
+    return t.clone().requires_grad_()
+
+
+_INSIDE_AROUND = {
+    "grad_x": lambda f: grad(lambda x: _in_loss(f, x, _W3b))(_X3w),
+    "grad_xw": lambda f: grad(lambda x, w: _in_loss(f, x, w), argnums=(0, 1))(_X3w, _W3b),
+    "grad_w_grad_x": lambda f: grad(lambda w: grad(lambda x: _in_loss(f, x, w))(_X3w).pow(2).sum())(_W3b),
+    "grad_w_grad_x_passing_w": lambda f: grad(lambda w: grad(lambda x, w: _in_loss(f, x, w))(_X3w, w).pow(2).sum())(_W3b),
+    "grad_x_grad_w": lambda f: grad(lambda x: grad(lambda w: _in_loss(f, x, w))(_W3b).pow(2).sum())(_X3w),
+    "jvp_w_grad_x": lambda f: jvp(lambda w: grad(lambda x: _in_loss(f, x, w))(_X3w), (_W3b,), (_W3b.cos(),))[1],
+    "jvp_x_grad_w": lambda f: jvp(lambda x: grad(lambda w: _in_loss(f, x, w))(_W3b), (_X3w,), (_X3w.cos(),))[1],
+    "maml_grad_w_vmap_grad_x": lambda f: grad(lambda w: vmap(lambda x: grad(lambda x: _in_loss(f, x, w))(x))(
+        torch.stack([_X3w, 2 * _X3w])).pow(2).sum())(_W3b),
+    "hessian_w_passing_x": lambda f: hessian(lambda x, w: _in_loss(f, x, w), argnums=1)(_X3w, _W3b),
+    "jacrev_w_grad_x_passing_w": lambda f: torch.func.jacrev(lambda w: grad(lambda x, w: _in_loss(f, x, w))(_X3w, w))(_W3b),
+    "eager_double": lambda f: (lambda x, w: torch.autograd.grad(sum(g.pow(2).sum() for g in torch.autograd.grad(
+        _in_loss(f, x, w), (x, w), create_graph=True)), (x, w)))(_leaf(_X3w), _leaf(_W3b)),
+    "eager_w_grad_x": lambda f: (lambda w: torch.autograd.grad(grad(lambda x: _in_loss(f, x, w))(_X3w).pow(2).sum(), w))(
+        _leaf(_W3b)),
+}
+
+
+@pytest.mark.parametrize("around", list(_INSIDE_AROUND))
+@pytest.mark.parametrize("wrt", list(_INSIDE))
+def test_autograd_inside_of_an_input_only_an_inner_level_differentiates(wrt, around):
+    """``torch.autograd.grad(y, x)`` inside the region, under a transform over ``w`` around one over ``x`` (MAML's
+    ``grad(vmap(grad))``, ``jvp`` of ``grad``, eager autograd around ``grad``): the run again at the outer level, or the
+    jvp rule's, differentiated ``w`` alone, and ``x`` did not require grad there: "One of the differentiated Tensors
+    does not require grad" (at 71e1192; plain code runs). An input the call's innermost level differentiated requires
+    grad at the run again's own level now (``differentiable_at_top``)."""
+    _as_plain(_INSIDE_AROUND[around], _INSIDE[wrt], remat(_INSIDE[wrt]))
+
+
+def _as_plain(around, body, f):
+    """``around(f)`` gives plain code's results, or raises where plain code raises (the input differentiated
+    inside needs no gradient there: "does not require grad", "appears to not have been used")."""
+    try:
+        expected = around(body)
+    except RuntimeError as e:
+        with pytest.raises(RuntimeError, match=str(e).split(".")[0][:40]):
+            around(f)
+        return
+    _close(around(f), expected)
+
+
+def test_autograd_inside_in_every_order():
+    """One function object through every composition above, in two orders: a failure under one of them marked the
+    function as calling ``torch.func`` (its later calls keep the graph from the start), under which ``grad`` over ``w``
+    around ``grad`` over ``x`` then failed where a fresh function ran (at 71e1192)."""
+    for body in _INSIDE.values():
+        for order in (list(_INSIDE_AROUND), list(reversed(_INSIDE_AROUND))):
+            f = remat(body)
+            for around in order:
+                _as_plain(_INSIDE_AROUND[around], body, f)
+
+
 def _count_hook(counts, key="hook"):
     def hook(g):
         counts[key] = counts.get(key, 0) + 1
