@@ -343,37 +343,25 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None, region=No
 
     entries = rec.entries if rec is not None else None
 
-    def runner(node, args, kwargs, keep=True):
-        if type(node) is _Span:
-            return node.call(*args)
-        if type(node) is FunctionStep:  # (through the transforms: see _through_transforms)
-            return apply_step(node, args, kwargs, lambda given: function_forward(node, given))
-        kept = keep and bool(entries) and node.key is not None and entries.get(node.key) is not None \
-            and not node.writes and node.rng is None
-        if id(node) in top_ids:
-            with torch.set_grad_enabled(node.grad), torch.inference_mode() if node.inference else _NULL, \
-                    _Kept(node, rec) if kept else _NULL:
-                return run_recorded(node, args, kwargs)
-        with DisableFuncTorch(), torch.no_grad():
-            if node.func in INDEPENDENT:  # (its tensor argument may be an input: its sizes only)
-                args = [_plain(a) for a in args]
-            return rec.replay(node.func, node.key, args, kwargs) if kept else run_recorded(node, args, kwargs)
-
-    def function_forward(fn, given):  # (a Function's forward: its recorded ops, below the transforms)
-        ks = [k for k in run if fn.start <= k < fn.end]
-        env2 = dict(given)
-
-        def get2(v):
-            t = env2.get(id(v))
-            if t is None:  # (a constant from outside the region)
-                t = env2[id(v)] = _plain(get(v))
-            return t
-
-        return tape.run_nodes(ks, [(v, fn.end) for v in fn.outs if v is not None], get2, env2,
-                              any(nodes[k].writes for k in ks), run_recorded)
-
-    def span_runner(node, args, kwargs):
-        return runner(node, args, kwargs, False)
+    def make_runner(get_outside, keep: bool):
+        # (``get_outside``: the replay's getter or a span's: a Function's forward reads constants through it.  The
+        # runner a span's region keeps (in its function, in the replay's graph) refers to no replay's env: a cycle)
+        def runner(node, args, kwargs):
+            if type(node) is _Span:
+                return node.call(*args)
+            if type(node) is FunctionStep:  # (through the transforms: see _through_transforms)
+                return apply_step(node, args, kwargs, lambda given: _function_forward(tape, run, node, given, get_outside))
+            kept = keep and bool(entries) and node.key is not None and entries.get(node.key) is not None \
+                and not node.writes and node.rng is None
+            if id(node) in top_ids:
+                with torch.set_grad_enabled(node.grad), torch.inference_mode() if node.inference else _NULL, \
+                        _Kept(node, rec) if kept else _NULL:
+                    return run_recorded(node, args, kwargs)
+            with DisableFuncTorch(), torch.no_grad():
+                if node.func in INDEPENDENT:  # (its tensor argument may be an input: its sizes only)
+                    args = [_plain(a) for a in args]
+                return rec.replay(node.func, node.key, args, kwargs) if kept else run_recorded(node, args, kwargs)
+        return runner
 
     def make_call(sub, steps, inputs, outputs, opts, span_name):
         sub_writes = any(nodes[k].writes for k in sub)
@@ -385,16 +373,33 @@ def replay_outputs(tape, outs: list, subst: dict, name: str, rec=None, region=No
             get2 = tape.getter(env2, sub_writes, None, _not_an_input)
             # (values this region's policy kept are computed in the span: returned in place of their
             # op, they would be constants of the span's region, which its own replay drops)
-            return tuple(tape.run_nodes(sub, [(v, sub[-1] + 1) for v in outputs], get2, env2, sub_writes, span_runner, steps))
+            return tuple(tape.run_nodes(sub, [(v, sub[-1] + 1) for v in outputs], get2, env2, sub_writes, make_runner(get2, False),
+                                        steps))
 
         return lambda *tensors: region(span, span_name, opts, tensors)
 
     end = len(nodes)
     steps = _steps(tape, run, top, roots, make_call if region is not None else None) if tape.spans and run else None
     with no_autocast(), reenter(tape.modes), rec.replaying() if entries else _NULL:
-        got = tape.run_nodes(run, [(v, end) for v in roots], get, env, writes, runner, steps) if run else [get(v) for v in roots]
+        got = tape.run_nodes(run, [(v, end) for v in roots], get, env, writes, make_runner(get, True), steps) if run else [get(v) for v in roots]
     it = iter(got)
     return [next(it) if type(v) is Value else subst.get(id(v), v) for v in outs]
+
+
+def _function_forward(tape, run, fn, given, get):
+    """A custom Function's forward in a replay (``fn``: its step): its recorded ops, below the transforms, on the
+    tensors it was ``given`` (``id`` of an argument's Value -> tensor); ``get`` reads the constants from outside."""
+    ks = [k for k in run if fn.start <= k < fn.end]
+    env2 = dict(given)
+
+    def get2(v):
+        t = env2.get(id(v))
+        if t is None:  # (a constant from outside the region)
+            t = env2[id(v)] = _plain(get(v))
+        return t
+
+    return tape.run_nodes(ks, [(v, fn.end) for v in fn.outs if v is not None], get2, env2,
+                          any(tape.nodes[k].writes for k in ks), run_recorded)
 
 
 def replay_fn(spec, tensors, wrt, out_diff, region=None):
