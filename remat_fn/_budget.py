@@ -34,6 +34,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ._functorch import storage_ptr, transform_kinds
+from ._ops import ALIASING
 from .policies import DOT_OPS, NAMED
 
 __all__ = ["Plan", "Measuring", "BudgetPlanner", "solve", "op_cost", "make_plan", "plan_on_graph", "stats",
@@ -268,7 +269,7 @@ class Measuring:
         for ptr, nbytes in (saved or {}).items():
             self.note_saved(ptr, nbytes)
         if tape is not None and roots:  # (what a dead branch saved is not kept by plain autograd either)
-            live = {tape.nodes[v.node].key for v in roots if v.node >= 0}
+            live = {k for v in roots if (k := _storage_maker(tape, v)) is not None}
             self.saved = {(k, p): b for (k, p), b in self.saved.items() if k in live}
         fixed = sum(self.saved_inputs.values())
         reference = sum(self.saved.values()) + fixed
@@ -282,6 +283,20 @@ class Measuring:
         self.items, self.producer, self.saved, self.saved_inputs = {}, {}, {}, {}
         self.planner.store(self.key, plan)
         return plan
+
+
+def _storage_maker(tape, v):
+    """The key of the op that made the storage of saved Value ``v``: through the views and aliases autograd saved of it
+    (a Linear on a 3-D input saves ``view``s of ``addmm``'s output: their keys matched no saved storage's maker, and
+    ``memory_budget`` planned on the LayerNorm's output alone, keeping nothing, a hostile pass)."""
+    while v.node >= 0:
+        n = tape.nodes[v.node]
+        if n is None:
+            return None
+        if not (n.func.is_view or n.func in ALIASING) or not n.reads or n.reads[0].node < 0:
+            return n.key
+        v = n.reads[0]
+    return None
 
 
 # -- the cache -----------------------------------------------------------------------
