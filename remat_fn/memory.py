@@ -116,10 +116,19 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         new = not func.is_view
+        # (an in-place or ``out=`` op returns an argument's storage: new only if the meter counted it already)
+        given = {_storage_key(a) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)} if new else ()
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self.counter.add(t, new)
+                self.counter.add(t, new and _storage_key(t) not in given)
         return out
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 class LiveBytes:

@@ -256,3 +256,17 @@ def test_deeply_nested_regions_leave_nothing_behind(what, how):
             del g
             gc.collect()
             assert m.live == 0
+
+
+def test_meter_ignores_in_place_writes_into_older_storages():
+    """An in-place (or ``out=``) op returns its argument's storage: on a tensor made before the meter it allocates
+    nothing (it counted the whole storage, a hostile pass: an optimizer step counted every parameter)."""
+    p = torch.randn(1000)
+    with LiveBytes() as m:
+        p.mul_(0.5)
+        p.view(10, 100).add_(1)
+        torch.sin(p, out=p)
+        assert m.live == 0 and m.peak == 0
+        q = p * 2  # (new: counted once, also after writing into it)
+        q.add_(1)
+        assert m.live == q.untyped_storage().nbytes()
