@@ -27,7 +27,7 @@ __all__ = [
     "C", "transforms_active", "transform_stack", "transform_kinds", "is_wrapped", "unwrap_one",
     "unwrap_all", "version_alias",
     "storage_ptr", "needs_grad", "grad_wrappers", "live_levels", "is_grad_kind", "unwrap_if_dead", "grad_tops", "as_given", "rewrapped",
-    "differentiable_at_top",
+    "differentiable_at_top", "without_level",
     "forward_mode_active", "forward_mode_at", "nested_forward_mode", "carries_grad", "any_batched", "batched_first", "from_lowered_level",
     "requires_grad_anywhere", "outside_innermost",
     "wrapped_innermost", "is_vmap_kind", "is_jvp_kind", "vmap_sizes", "vmap_levels", "differentiated_outside_vmaps",
@@ -223,6 +223,13 @@ def rewrapped(t):
     ``.data`` stripped the outer level's (2.2 off under ``grad`` around ``jacrev``); where it is alive, a region nested
     in the run saw ``w`` wrapped below the run's level, not at the innermost (9.8 off)."""
     return wrap_at_top(unwrap_if_dead(t)) if isinstance(t, torch.Tensor) else t
+
+
+def without_level(t, level: int):
+    """``t`` without its wrapper of grad ``level`` where that is its outermost one (None stays None)."""
+    if t is not None and C.is_gradtrackingtensor(t) and C.maybe_get_level(t) == level:
+        return C.get_unwrapped(t)
+    return t
 
 
 def differentiable_at_top(t):

@@ -362,7 +362,7 @@ class _RematFunction(torch.autograd.Function):
         out_diff = ctx.out_diff
         unread = spec.unread if spec.unread is not None and not _foreign(spec) else None
         saved = ctx.saved_tensors if unread is None else [t for t, u in zip(ctx.saved_tensors, unread) if not u]
-        clear, saved_tracked, cots_tracked = outside_reach(saved, grads)
+        clear, saved_tracked, cots_tracked, grads, tensors = outside_reach(saved, grads, tensors)
         detach = clear and not saved_tracked and not cots_tracked  # (nothing outside differentiates this backward)
         grads = tuple(unwrap_if_dead(g) if g is not None else None for g in grads)
         if spec.check and (spec.graph is not None or _replayable(spec)):  # (strict checks: debug, early_stop=False)

@@ -270,3 +270,55 @@ def test_meter_ignores_in_place_writes_into_older_storages():
         q = p * 2  # (new: counted once, also after writing into it)
         q.add_(1)
         assert m.live == q.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("how", ["jvp_of_grad", "hessian_vector_product_of_functional_call"])
+def test_hessian_vector_product_saves_memory(how):
+    """Forward over reverse (``jvp(grad(f))``): ``torch.func`` runs the grad level's backward with ``create_graph=True``,
+    so its engine recorded each region's backward, holding every replayed activation and the backward's intermediates
+    until that backward ended: remat kept more than plain code (13.4 against 11.4 MiB here, 53.5 against 45.5 on the
+    benchmark's blocks). Only forward mode differentiates that backward: it runs on cotangents without the level's
+    wrappers, and nothing records it. Exact (the op-database sweep's jvp_vjp and hessian cells)."""
+    from torch.func import functional_call, jvp
+
+    torch.manual_seed(0)
+    ws = [torch.randn(128, 128) / 12 for _ in range(8)]
+    x0 = torch.randn(64, 128)
+
+    def block(h, w):
+        return h + torch.tanh(h @ w) * torch.sigmoid(h @ w.T)
+
+    peaks, results = {}, {}
+    for name, wrap in (("plain", lambda f: f), ("remat", remat)):
+        b = wrap(block)
+        if how == "jvp_of_grad":
+            def f(x, b=b):
+                for w in ws:
+                    x = b(x, w)
+                return x.pow(2).sum()
+
+            def run(f=f):
+                return jvp(grad(f), (x0,), (torch.ones_like(x0),))
+        else:
+            from remat_fn.nn import remat_module
+
+            torch.manual_seed(1)
+            net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Tanh(), torch.nn.Linear(256, 128),
+                                                            torch.nn.Sigmoid()) for _ in range(4)])
+            if name == "remat":
+                for blk in net:
+                    remat_module(blk)
+            params = {k: v.detach() for k, v in net.named_parameters()}
+
+            def loss(p, net=net):
+                return functional_call(net, p, (x0,)).pow(2).sum()
+
+            def run(loss=loss, params=params):
+                tang = {k: torch.ones_like(v) for k, v in params.items()}
+                return jvp(grad(loss), (params,), (tang,))
+        run()
+        with LiveBytes() as m:
+            results[name] = run()
+            peaks[name] = m.peak
+    torch.testing.assert_close(results["remat"], results["plain"], rtol=1e-4, atol=1e-4)
+    assert peaks["remat"] < 0.75 * peaks["plain"], peaks
