@@ -269,7 +269,7 @@ class Measuring:
         for ptr, nbytes in (saved or {}).items():
             self.note_saved(ptr, nbytes)
         if tape is not None and roots:  # (what a dead branch saved is not kept by plain autograd either)
-            live = {k for v in roots if (k := _storage_maker(tape, v)) is not None}
+            live = {k for v in roots for k in _storage_makers(tape, v)}
             self.saved = {(k, p): b for (k, p), b in self.saved.items() if k in live}
         fixed = sum(self.saved_inputs.values())
         reference = sum(self.saved.values()) + fixed
@@ -285,18 +285,21 @@ class Measuring:
         return plan
 
 
-def _storage_maker(tape, v):
-    """The key of the op that made the storage of saved Value ``v``: through the views and aliases autograd saved of it
-    (a Linear on a 3-D input saves ``view``s of ``addmm``'s output: their keys matched no saved storage's maker, and
-    ``memory_budget`` planned on the LayerNorm's output alone, keeping nothing, a hostile pass)."""
+def _storage_makers(tape, v) -> list:
+    """The keys of the ops from saved Value ``v`` back through the views and aliases autograd saved of it to the op that
+    made its storage (a Linear on a 3-D input saves ``view``s of ``addmm``'s output: the saved storage counts for whichever
+    of them the policy was asked about last; keyed by the view alone, ``memory_budget`` planned on the LayerNorm's output
+    alone, keeping nothing, a hostile pass)."""
+    keys = []
     while v.node >= 0:
         n = tape.nodes[v.node]
         if n is None:
-            return None
-        if not (n.func.is_view or n.func in ALIASING) or not n.reads or n.reads[0].node < 0:
-            return n.key
+            break
+        keys.append(n.key)
+        if not (n.func.is_view or n.func in ALIASING) or not n.reads:
+            break
         v = n.reads[0]
-    return None
+    return keys
 
 
 # -- the cache -----------------------------------------------------------------------

@@ -114,10 +114,11 @@ class _Mode(TorchDispatchMode):
         self.counter = counter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
         new = not func.is_view
-        # (an in-place or ``out=`` op returns an argument's storage: new only if the meter counted it already)
+        # (an in-place or ``out=`` op returns an argument's storage: new only if the meter counted it already; one it
+        # reallocated, ``resize_``, ``out=`` into an empty tensor, is new: the keys are read before the op runs)
         given = {_storage_key(a) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)} if new else ()
+        out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.counter.add(t, new and _storage_key(t) not in given)

@@ -270,6 +270,14 @@ def test_meter_ignores_in_place_writes_into_older_storages():
         q = p * 2  # (new: counted once, also after writing into it)
         q.add_(1)
         assert m.live == q.untyped_storage().nbytes()
+    # a storage an in-place or out= op allocates is new (its argument's was empty or too small)
+    for make in (lambda: torch.mm(torch.ones(8, 8), torch.ones(8, 8), out=torch.empty(0)),
+                 lambda: torch.empty(0).resize_(64), lambda: p.resize_(2000),
+                 lambda: torch.cat([torch.ones(32), torch.ones(32)], out=torch.empty(0))):
+        with LiveBytes() as m:
+            y = make()
+            assert m.live == y.untyped_storage().nbytes() == 256 or y is p, (m.live, y.shape)
+            assert y is not p or m.live == 8000
 
 
 @pytest.mark.parametrize("how", ["jvp_of_grad", "hessian_vector_product_of_functional_call"])
