@@ -220,15 +220,13 @@ class Known:
 
 
 class MissedCapture(Exception):
-    """Internal: the forward touched a gradient-carrying tensor nobody threaded.
-    ``bypassed``: a tensor it closes over, threaded, read where no torch function sees it
-    (``torch.func.grad(g)(w)`` wraps ``w`` itself): the forward runs again with the
-    replacements in the closure's places (see :attr:`RegionState.relocate`)."""
+    """Internal: the forward touched a gradient-carrying tensor nobody threaded.  ``bypassed``: a tensor it closes over,
+    threaded, read where no torch function sees it (``torch.func.grad(g)(w)`` wraps ``w`` itself): the forward runs again
+    with the replacements in the closure's places (see :attr:`RegionState.relocate`).  ``plain``: see ``_related``."""
 
-    def __init__(self, tensor: torch.Tensor, bypassed: bool = False):
-        super().__init__(describe(tensor))
-        self.tensor = tensor
-        self.bypassed = bypassed
+    def __init__(self, tensor: torch.Tensor | None, bypassed: bool = False, plain: bool = False):
+        super().__init__(describe(tensor) if tensor is not None else "related inputs")
+        self.tensor, self.bypassed, self.plain = tensor, bypassed, plain
 
 
 class CaptureMode(TorchFunctionMode):
@@ -537,6 +535,8 @@ class CaptureMode(TorchFunctionMode):
             if logical is not None:
                 logical.fail()
             self.autograd = self.autograd or func in _AUTOGRAD
+            if func is _GRAD and self.known is not None and self.hook_on and _related(self.hook_on, args, kwargs):
+                raise MissedCapture(None, plain=True)
             if not (func is _GRAD and transform_autograd(args, kwargs, self.base)):
                 self.opaque = True
             if func == _DATA_GET and not is_wrapped(args[0]) and id(args[0]) in self.subst:  # (a tensor it closes over:
@@ -603,6 +603,30 @@ class CaptureMode(TorchFunctionMode):
                 else:
                     logical.made(out)
         return out
+
+
+def _related(hook_on: dict, args, kwargs, limit: int = 20_000) -> bool:
+    """``torch.autograd.grad(y, x)`` in a forward, another input depending on input ``x`` in the caller's graph (``f(Y, Y[:])``,
+    a tied weight): plain code's gradient takes that path, which the region's leaves cut (half of plain's, silently, a
+    hostile pass): the call runs as plain code (``MissedCapture``'s ``plain``)."""
+    inputs = kwargs["inputs"] if kwargs and "inputs" in kwargs else args[1] if len(args) > 1 else ()
+    callers = {id(c): c for c in hook_on.values() if isinstance(c, torch.Tensor)}
+    # (a tensor it closes over is read as the caller's object here, before _fix)
+    targets = [hook_on.get(id(x), callers.get(id(x))) for x in ((inputs,) if isinstance(inputs, torch.Tensor) else inputs)]
+    return any(isinstance(t, torch.Tensor) and _reaches(c, t, limit) for t in targets for c in callers.values() if c is not t)
+
+
+def _reaches(t: torch.Tensor, target: torch.Tensor, limit: int) -> bool:
+    tnode, stack, seen = target.grad_fn, [t.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        if node is tnode or (tnode is None and getattr(node, "variable", None) is target) or len(seen) > limit:
+            return True
+        seen.add(id(node))
+        stack.extend(n for n, _ in node.next_functions)
+    return False
 
 
 # what the tape cannot replay (no op reaches the dispatcher, or none that says it): ``.data``

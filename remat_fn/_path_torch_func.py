@@ -523,10 +523,9 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         if policy is not None:
             spec.offload = FuncInputs(input_offloads(policy, inputs))
             spec.offload.listen(spec.rec, inputs)  # (arguments checkpoint_name names inside the region)
-        # (backward runs the function again: the function calls torch.func, offloads; and where no replay
-        # stands in, docs/design.md, "still runs again".  Under vmap(grad), every vmap outside the other
-        # transforms, backward runs under the forward's vmap levels, see remat_fn._func_graph.KeepHandles;
-        # under grad(vmap) it replays the batched ops below the vmaps, see replay_vjp)
+        # (backward runs the function again: the function calls torch.func, offloads; and where no replay stands in, docs/design.md,
+        # "still runs again".  Under vmap(grad), every vmap outside the other transforms, backward runs under the forward's vmap
+        # levels, see remat_fn._func_graph.KeepHandles; under grad(vmap) it replays the batched ops below the vmaps, see replay_vjp)
         spec.batched = any(any_batched(t) for t in (*inputs, *closed))
         if spec.batched:
             spec.apart = apart_inputs(levels, (*inputs, *closed))
@@ -546,16 +545,15 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
         # (and under no_grad, where the function may enable grad itself: its outputs tell, see mask)
         spec.needs = [needs_grad(t) and differentiable(t) for t in (*inputs, *closed)]
         spec.inner_wrapped, spec.inner_rg = grad_tops(both := (*inputs, *closed)), [t.requires_grad for t in both]  # (see recompute_fn)
-        # (the inputs reverse mode differentiates: under forward mode the others, which only a jvp level
-        # wraps, stay out of the forward's vjp level, see forward)
+        # (the inputs reverse mode differentiates: under forward mode the others, which only a jvp level wraps, stay out of the forward's
+        # vjp level, see forward)
         if spec.fwd:
             spec.rev = [n and requires_grad_anywhere(t) for n, t in zip(spec.needs, (*inputs, *closed))]
         if spec.vmapped and any(spec.needs):
             spec.widen = differentiated_outside_vmaps(levels, any(unwrap_all(t).requires_grad for t in (*inputs, *closed)))
         spec.prof = prof
         spec.rng = snap  # (forward mode runs the Function's jvp inside apply: draws from before them)
-        # (the enclosing regions' tapes: this call is a span of each; under no_grad, where it runs as
-        # plain code, none: its ops replay one by one, each under its own grad mode)
+        # (the enclosing regions' tapes, the call a span of each; under no_grad, plain code, none: its ops replay each in its grad mode)
         tapes = recording_tapes() if grad_mode else []
         starts = [len(t.nodes) for t in tapes]
         try:
@@ -577,6 +575,8 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             continue
         except MissedCapture as e:
             undo_forward(spec, snap)
+            if e.plain:  # (autograd inside reaches through the caller's graph between inputs: plain code, see _captures._related)
+                return call.fun(*call.args, **call.kwargs)
             stale += spec.aborted
             if e.bypassed:
                 if relocate:  # pragma: no cover - defensive (the places held the replacements)
