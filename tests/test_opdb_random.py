@@ -39,6 +39,7 @@ from .test_opdb import (  # noqa: E402
     _key,
     _NothingToCompare,
     _randn_like,
+    _samples,
     _wanted,
     save_all,
 )
@@ -112,13 +113,7 @@ def test_opdb_random(key, cell, policy):
     op = OPS[key]
     run = RANDOM_CELLS[cell]
     checked, skipped = 0, []
-    torch.manual_seed(0)
-    samples = []
-    for s in op.sample_inputs(DEVICE, DTYPE, requires_grad=True):
-        samples.append(s)
-        if len(samples) == SAMPLES:
-            break
-    for si, sample in enumerate(samples):
+    for si, sample in enumerate(_samples(op, SAMPLES)):
         case = Case(sample)
         if not case.idx:
             skipped.append(f"sample {si}: nothing requires grad")
