@@ -446,6 +446,29 @@ def _finite(res):
     return all(torch.isfinite(x).all() for x in _flat(res) if isinstance(x, torch.Tensor))
 
 
+def attempt(si: int, skipped: list, case, plain_fn, plain, region):
+    """A cell on sample ``si``: ``plain()`` (where the plain function has no floating output or cannot run the cell, the
+    reason is appended to ``skipped`` and None returned) then ``region()`` (a RematError fails the test as a REFUSAL,
+    anything else as a CRASH); returns ``(expected, actual)``."""
+    try:
+        if not case.call(plain_fn, *case.primals):
+            skipped.append(f"sample {si}: no floating-point output")
+            return None
+        expected = plain()
+    except _NothingToCompare as e:
+        skipped.append(f"sample {si}: {e}")
+        return None
+    except Exception as e:  # the plain function cannot do this cell
+        skipped.append(f"sample {si}: plain raises {_first_line(e)}")
+        return None
+    try:
+        return expected, region()
+    except RematError as e:
+        pytest.fail(f"REFUSAL sample {si}: {_first_line(e)}", pytrace=False)
+    except Exception as e:
+        pytest.fail(f"CRASH sample {si}: {_first_line(e)}", pytrace=False)
+
+
 def _samples(op, n):
     torch.manual_seed(0)
     out = []
@@ -474,24 +497,11 @@ def test_opdb(key, cell, policy):
         run = CELLS[cell]
         plain_fn = case.region(op.op)
         salt = f"{key}/{cell}/{si}"
-        try:
-            if not case.call(plain_fn, *case.primals):
-                skipped.append(f"sample {si}: no floating-point output")
-                continue
-            expected = run(case, plain_fn, _gen(salt))
-        except _NothingToCompare as e:
-            skipped.append(f"sample {si}: {e}")
-            continue
-        except Exception as e:  # the plain function cannot do this cell
-            skipped.append(f"sample {si}: plain raises {_first_line(e)}")
-            continue
         rfn = case.region(remat(op.op, policy=POLICIES[policy]))
-        try:
-            actual = run(case, rfn, _gen(salt))
-        except RematError as e:
-            pytest.fail(f"REFUSAL sample {si}: {_first_line(e)}", pytrace=False)
-        except Exception as e:
-            pytest.fail(f"CRASH sample {si}: {_first_line(e)}", pytrace=False)
+        got = attempt(si, skipped, case, plain_fn, lambda: run(case, plain_fn, _gen(salt)), lambda: run(case, rfn, _gen(salt)))
+        if got is None:
+            continue
+        expected, actual = got
         d = _diff(actual, expected)
         if d is not None:
             again = run(case, plain_fn, _gen(salt))

@@ -23,7 +23,7 @@ pytest.importorskip("numpy")  # (and this)
 import torch  # noqa: E402
 from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
 
-from remat_fn import RematError, remat  # noqa: E402
+from remat_fn import remat  # noqa: E402
 
 from .test_opdb import (  # noqa: E402
     CELLS,
@@ -34,13 +34,12 @@ from .test_opdb import (  # noqa: E402
     RANDOM_WORDS,
     Case,
     _diff,
-    _first_line,
     _gen,
     _key,
-    _NothingToCompare,
     _randn_like,
     _samples,
     _wanted,
+    attempt,
     save_all,
 )
 
@@ -119,24 +118,12 @@ def test_opdb_random(key, cell, policy):
             skipped.append(f"sample {si}: nothing requires grad")
             continue
         salt = f"random/{key}/{cell}/{si}"
-        try:
-            torch.manual_seed(SEED)
-            if not case.call(op.op, *case.primals):
-                skipped.append(f"sample {si}: no floating-point output")
-                continue
-            expected, state = _run(run, case, op.op, salt)
-        except _NothingToCompare as e:
-            skipped.append(f"sample {si}: {e}")
+        rfn = remat(op.op, policy=POLICIES[policy])
+        torch.manual_seed(SEED)
+        got = attempt(si, skipped, case, op.op, lambda: _run(run, case, op.op, salt), lambda: _run(run, case, rfn, salt))
+        if got is None:
             continue
-        except Exception as e:  # the plain function cannot do this cell
-            skipped.append(f"sample {si}: plain raises {_first_line(e)}")
-            continue
-        try:
-            actual, r_state = _run(run, case, remat(op.op, policy=POLICIES[policy]), salt)
-        except RematError as e:
-            pytest.fail(f"REFUSAL sample {si}: {_first_line(e)}", pytrace=False)
-        except Exception as e:
-            pytest.fail(f"CRASH sample {si}: {_first_line(e)}", pytrace=False)
+        (expected, state), (actual, r_state) = got
         d = _diff(actual, expected)
         if d is not None:
             if _diff(_run(run, case, op.op, salt)[0], expected) is not None:
