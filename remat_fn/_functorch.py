@@ -222,7 +222,9 @@ def rewrapped(t):
     differentiate through it.  Where the call's wrapper is gone (``jacrev``'s ``vjp_fn`` runs after its level exited)
     ``.data`` stripped the outer level's (2.2 off under ``grad`` around ``jacrev``); where it is alive, a region nested
     in the run saw ``w`` wrapped below the run's level, not at the innermost (9.8 off)."""
-    return wrap_at_top(unwrap_if_dead(t)) if isinstance(t, torch.Tensor) else t
+    if not isinstance(t, torch.Tensor) or not is_grad_kind(live_levels().get(current_level())):
+        return t
+    return wrap_at_top(unwrap_if_dead(t))
 
 
 def without_level(t, level: int):
