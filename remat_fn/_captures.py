@@ -220,11 +220,11 @@ class Known:
 
 
 class MissedCapture(Exception):
-    """Internal: the forward touched a gradient-carrying tensor nobody threaded.  ``bypassed``: a tensor it closes over,
-    threaded, read where no torch function sees it (``torch.func.grad(g)(w)`` wraps ``w`` itself): the forward runs again
-    with the replacements in the closure's places (see :attr:`RegionState.relocate`).  ``plain``: see ``_related``."""
+    """Internal: the forward touched a gradient-carrying tensor nobody threaded.  ``bypassed``: a tensor it closes over, threaded,
+    read where no torch function sees it (``torch.func.grad(g)(w)`` wraps ``w`` itself): the forward runs again with the
+    replacements in the closure's places (:attr:`RegionState.relocate`).  ``plain``: see ``_related``."""
 
-    def __init__(self, tensor: torch.Tensor | None, bypassed: bool = False, plain: bool = False):
+    def __init__(self, tensor: torch.Tensor | None, bypassed: bool = False, plain: int | None = None):
         super().__init__(describe(tensor) if tensor is not None else "related inputs")
         self.tensor, self.bypassed, self.plain = tensor, bypassed, plain
 
@@ -313,8 +313,8 @@ class CaptureMode(TorchFunctionMode):
                 return r
             known = self.known
             if self.levels is not None and from_lowered_level(x) and not needs_grad(x, self.levels):
-                # a constant wrapped at a level set aside here (a BatchNorm's statistics under grad of grad,
-                # known once an in-place write returned it): the plain tensor below, as plain code reads it
+                # a constant wrapped at a level set aside here (a BatchNorm's statistics under grad of grad, known once an in-place
+                # write returned it): the plain tensor below, as plain code reads it
                 return unwrap_all(x)
             if id(x) in self.bases:  # (the function closes over the tensor it is given, differentiated, as a constant:
                 self.aliased = True  # the tape sees one tensor, which a replay would differentiate at both reads)
@@ -322,8 +322,7 @@ class CaptureMode(TorchFunctionMode):
                 a = self._alias_of_known(x)
                 if a is not None:
                     return a
-                # (a view of a tensor it closes over that a transform it calls made, unseen: torch.func.vmap reading
-                # it, returning it as is: the forward runs again with the replacements in the closure's places)
+                # (a view of a tensor it closes over that a transform it calls made, unseen, torch.func.vmap returning it: runs again)
                 unseen = (p := storage_ptr(x)) is not None and any(storage_ptr(r) == p for r in self.subst.values())
                 if (unseen or not self._made_inside(x)) and needs_grad(x, self.levels):
                     raise MissedCapture(x, bypassed=unseen)
@@ -439,9 +438,8 @@ class CaptureMode(TorchFunctionMode):
                 t = ref()
                 if t is None or id(t) in seen or not self._leaves(t):
                     continue
-                # Held by Python beyond what remat's own objects hold (``outs``, a nested region's
-                # tables of the tensors it closes over): it left by a side channel.  (One autograd
-                # holds and nothing in Python does, the base of a view a nested region saved, did not.)
+                # Held by Python beyond what remat's own objects hold (``outs``, a nested region's tables of the tensors it
+                # closes over): it left by a side channel.  (One autograd holds and nothing in Python does, did not.)
                 holders, own = self.held.get(id(t)), in_outs.get(id(t), 0)
                 if holders:
                     cells: set = set()
@@ -535,8 +533,8 @@ class CaptureMode(TorchFunctionMode):
             if logical is not None:
                 logical.fail()
             self.autograd = self.autograd or func in _AUTOGRAD
-            if func is _GRAD and self.known is not None and self.hook_on and _related(self.hook_on, args, kwargs):
-                raise MissedCapture(None, plain=True)
+            if func is _GRAD and self.known is not None and self.hook_on and (owner := _related(self, args, kwargs)) is not None:
+                raise MissedCapture(None, plain=owner)
             if not (func is _GRAD and transform_autograd(args, kwargs, self.base)):
                 self.opaque = True
             if func == _DATA_GET and not is_wrapped(args[0]) and id(args[0]) in self.subst:  # (a tensor it closes over:
@@ -605,15 +603,19 @@ class CaptureMode(TorchFunctionMode):
         return out
 
 
-def _related(hook_on: dict, args, kwargs, limit: int = 20_000) -> bool:
+def _related(mode, args, kwargs, limit: int = 20_000) -> int | None:
     """``torch.autograd.grad(y, x)`` in a forward, another input depending on input ``x`` in the caller's graph (``f(Y, Y[:])``,
-    a tied weight): plain code's gradient takes that path, which the region's leaves cut (half of plain's, silently, a
-    hostile pass): the call runs as plain code (``MissedCapture``'s ``plain``)."""
-    inputs = kwargs["inputs"] if kwargs and "inputs" in kwargs else args[1] if len(args) > 1 else ()
-    callers = {id(c): c for c in hook_on.values() if isinstance(c, torch.Tensor)}
-    # (a tensor it closes over is read as the caller's object here, before _fix)
-    targets = [hook_on.get(id(x), callers.get(id(x))) for x in ((inputs,) if isinstance(inputs, torch.Tensor) else inputs)]
-    return any(isinstance(t, torch.Tensor) and _reaches(c, t, limit) for t in targets for c in callers.values() if c is not t)
+    a tied weight; the region's leaves cut that path: half of plain's, silently, a hostile pass): the depth of the region
+    whose inputs are so related (or an enclosing one's, ``x`` an input of each between), whose call runs as plain code."""
+    targets = kwargs["inputs"] if kwargs and "inputs" in kwargs else args[1] if len(args) > 1 else ()
+    targets = [targets] if isinstance(targets, torch.Tensor) else list(targets)
+    chain = AMBIENT.captures[: AMBIENT.captures.index(mode) + 1] if mode in AMBIENT.captures else [mode]
+    for m in reversed(chain):  # (a tensor it closes over is read as the caller's object here, before _fix)
+        callers = {id(c): c for c in (m.hook_on or {}).values() if isinstance(c, torch.Tensor)}
+        targets = [t for x in targets if isinstance(t := (m.hook_on or {}).get(id(x), callers.get(id(x))), torch.Tensor)]
+        if any(_reaches(c, t, limit) for t in targets for c in callers.values() if c is not t):
+            return m.depth
+    return None
 
 
 def _reaches(t: torch.Tensor, target: torch.Tensor, limit: int) -> bool:
@@ -629,12 +631,11 @@ def _reaches(t: torch.Tensor, target: torch.Tensor, limit: int) -> bool:
     return False
 
 
-# what the tape cannot replay (no op reaches the dispatcher, or none that says it): ``.data``
-# (an alias without autograd), a hook on a tensor (backward code, not an op), ``detach_``
-# (below autograd an out-of-place ``detach`` nothing reads), autograd called inside (its
-# backward's ops, recorded, are not the graph an outer level differentiates; but a torch.func
-# transform's own, which builds a graph, is: see transform_autograd): where something outside
-# differentiates the region's backward, the function runs again instead (spec.foreign)
+# what the tape cannot replay (no op reaches the dispatcher, or none that says it): ``.data`` (an alias without autograd),
+# a hook on a tensor (backward code, not an op), ``detach_`` (below autograd an out-of-place ``detach`` nothing reads),
+# autograd called inside (its backward's ops, recorded, are not the graph an outer level differentiates; but a torch.func
+# transform's own, which builds a graph, is: see transform_autograd): where something outside differentiates the
+# region's backward, the function runs again instead (spec.foreign)
 _HOOK, _DATA_GET, _GRAD = torch.Tensor.register_hook, torch.Tensor.data.__get__, torch.autograd.grad
 _AUTOGRAD = frozenset({torch.autograd.grad, torch.autograd.backward})
 _DATA = frozenset({torch.Tensor.data.__get__, torch.Tensor.data.__set__, _HOOK,

@@ -144,15 +144,12 @@ class _RematFunction(torch.autograd.Function):
             # any: a tensor only a jvp level wraps gets its tangent from the replay; see also untracked_stats)
             if spec.fwd and any(spec.rev):
                 wrt = [i for i in wrt if spec.rev[i]]
-            # The forward runs under a vjp level over the inputs that need a
-            # gradient, so the function sees what plain code sees (grad mode on,
-            # requires_grad), its outputs tell which are differentiable (a
-            # detached or no_grad view is not), tensors that leave by a side
-            # channel are found, and ops whose decomposition depends on
-            # requires_grad run as they will in the recomputation (so a policy's
-            # kept outputs can be replayed).  Without a policy the level's graph
-            # keeps nothing (see keep_nothing).  vjp differentiates floating
-            # outputs only: the others travel as its auxiliary output.
+            # The forward runs under a vjp level over the inputs that need a gradient, so the function sees what plain
+            # code sees (grad mode on, requires_grad), its outputs tell which are differentiable (a detached or no_grad
+            # view is not), tensors that leave by a side channel are found, and ops whose decomposition depends on
+            # requires_grad run as they will in the recomputation (so a policy's kept outputs can be replayed).  Without
+            # a policy the level's graph keeps nothing (see keep_nothing).  vjp differentiates floating outputs only: the
+            # others travel as its auxiliary output.
             box = []
             keep = spec.keep_graph
             measure = spec.rec.policy is not None or spec.prof is not None  # what autograd would save
@@ -575,7 +572,9 @@ def run_torch_func(call: RegionCall, calls_torch_func: bool = False):
             continue
         except MissedCapture as e:
             undo_forward(spec, snap)
-            if e.plain:  # (autograd inside reaches through the caller's graph between inputs: plain code, see _captures._related)
+            if e.plain is not None:  # (autograd inside reaches through the caller's graph between inputs: plain code, see _related;
+                if e.plain != region_depth():  # an enclosing region's inputs so related: that region's call)
+                    raise
                 return call.fun(*call.args, **call.kwargs)
             stale += spec.aborted
             if e.bypassed:

@@ -1238,6 +1238,12 @@ _RELATED = {
     "tied_weight_closed_over_under_grad": lambda wrap: grad(lambda W: wrap(_tied(W))(_W4[:2] @ W).pow(2).sum())(_W4),
     "tied_weight_closed_over_under_grad_of_grad": lambda wrap: grad(
         lambda W: grad(lambda W: wrap(_tied(W))(_W4[:2] @ W).pow(2).sum())(W).pow(2).sum())(_W4),
+    "nested_the_enclosing_region_given_both": lambda wrap: grad(  # (the relation lies outside the enclosing region)
+        lambda Y: (wrap(lambda a, b: wrap(_grad_of_a_times_b)(a, b).sin())(Y, Y * 2.0) ** 2).sum())(_X4),
+    "nested_the_enclosing_region_given_both_under_hessian": lambda wrap: hessian(
+        lambda Y: (wrap(lambda a, b: wrap(_grad_of_a_times_b)(a, b).sin())(Y, Y * 2.0) ** 2).sum())(_X4),
+    "nested_relation_inside_the_enclosing_region": lambda wrap: grad(
+        lambda Y: (wrap(lambda a: wrap(_grad_of_a_times_b)(a, a * 2.0))(Y) ** 2).sum())(_X4),
     "tied_weight_closed_over_under_jvp_of_grad": lambda wrap: jvp(
         grad(lambda W: wrap(_tied(W))(_W4[:2] @ W).pow(2).sum()), (_W4,), (torch.ones_like(_W4),)),
 }
