@@ -281,18 +281,6 @@ def outside_reach(saved, grads, tensors) -> tuple[bool, bool, bool, tuple, list]
     """
     if not torch.is_grad_enabled():
         return False, False, False, grads, tensors  # already not recording; nothing to gain
-    if forward_mode_active():
-        # a live jvp level differentiates it too, wrapping the saved tensors or not: under
-        # no_grad torch's backward formulas take branches with no tangent (solve, logdet) or
-        # kernels forward AD lacks (silu_backward).  Where no other reverse level does, the level's
-        # engine records the backward all the same (torch.func runs it with create_graph=True),
-        # holding every replayed activation and the backward's intermediates until that level's
-        # backward ends (a Hessian-vector product kept more than plain code, 53.5 against 45.5 MiB):
-        # computed on cotangents and inputs without that level's wrappers, grad mode on, nothing records it
-        lv = _forward_only_outside(saved, grads)
-        if lv is None:
-            return False, False, False, grads, tensors
-        return False, False, False, tuple(without_level(g, lv) for g in grads), [without_level(t, lv) for t in tensors]
     live = live_levels()
     wrappers = []
     tracked = [False, False]
@@ -302,6 +290,20 @@ def outside_reach(saved, grads, tensors) -> tuple[bool, bool, bool, tuple, list]
                 ws, base = grad_wrappers(t)
                 tracked[k] = tracked[k] or base.requires_grad
                 wrappers.extend(ws)
+    if forward_mode_active():
+        # a live jvp level differentiates it too, wrapping the saved tensors or not: under
+        # no_grad torch's backward formulas take branches with no tangent (solve, logdet) or
+        # kernels forward AD lacks (silu_backward).  Where no other reverse level does (nor eager
+        # autograd: one live grad level wraps them, none dead), the level's engine records the
+        # backward all the same (torch.func runs it with create_graph=True), holding every replayed
+        # activation and the backward's intermediates until that level's backward ends (a
+        # Hessian-vector product kept more than plain code, 53.5 against 45.5 MiB): computed on
+        # cotangents and inputs without that level's wrappers, grad mode on, nothing records it
+        levels = {lv for lv, _ in wrappers if is_grad_kind(live.get(lv))}
+        if any(tracked) or any(dead for _, dead in wrappers) or len(levels) != 1 or _autograd_of_user():
+            return False, False, False, grads, tensors
+        lv = levels.pop()
+        return False, False, False, tuple(without_level(g, lv) for g in grads), [without_level(t, lv) for t in tensors]
     if not wrappers:
         return False, *tracked, grads, tensors
     alive = [lv for lv, dead in wrappers if not dead and is_grad_kind(live.get(lv))]
@@ -310,23 +312,6 @@ def outside_reach(saved, grads, tensors) -> tuple[bool, bool, bool, tuple, list]
     this = max(lv for lv, _ in wrappers)
     # (``torch.autograd.grad(..., create_graph=True)`` of the user's, inside the transform: its own level differentiates it)
     return all(lv == this for lv in alive) and not _autograd_of_user(), *tracked, grads, tensors
-
-
-def _forward_only_outside(saved, grads) -> int | None:
-    """Under a live forward-mode level: the level of the backward being run where no other reverse level (and no eager
-    autograd) wraps its ``saved`` tensors or cotangents ``grads``, so only forward mode differentiates its result
-    (``jvp(grad(f))``, ``hessian``'s ``jacfwd``); None otherwise."""
-    live = live_levels()
-    levels = set()
-    for t in (*saved, *grads):
-        if isinstance(t, torch.Tensor):
-            ws, base = grad_wrappers(t)
-            if base.requires_grad or any(dead for _, dead in ws):
-                return None
-            levels.update(lv for lv, _ in ws if is_grad_kind(live.get(lv)))
-    if len(levels) != 1 or _autograd_of_user():
-        return None
-    return levels.pop()
 
 
 _AUTOGRAD_GRAD = torch.autograd.grad.__code__

@@ -222,9 +222,7 @@ def rewrapped(t):
     differentiate through it.  Where the call's wrapper is gone (``jacrev``'s ``vjp_fn`` runs after its level exited)
     ``.data`` stripped the outer level's (2.2 off under ``grad`` around ``jacrev``); where it is alive, a region nested
     in the run saw ``w`` wrapped below the run's level, not at the innermost (9.8 off)."""
-    if not isinstance(t, torch.Tensor) or not is_grad_kind(live_levels().get(current_level())):
-        return t
-    return wrap_at_top(unwrap_if_dead(t))
+    return wrap_at_top(unwrap_if_dead(t)) if isinstance(t, torch.Tensor) and grad_on_top() else t
 
 
 def without_level(t, level: int):
@@ -237,7 +235,7 @@ def without_level(t, level: int):
 def differentiable_at_top(t):
     """``t`` wrapped at the innermost live transform, a grad level, requiring grad there (as ``torch.func.vjp`` makes its
     primals), for ``torch.autograd.grad`` of it inside a run again whose level stands for one that differentiated it."""
-    if not is_grad_kind(live_levels().get(current_level())):
+    if not grad_on_top():
         return t
     with inplace_requires_grad(True):
         return wrap_at_top(unwrap_if_dead(t)).requires_grad_()

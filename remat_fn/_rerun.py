@@ -90,12 +90,12 @@ def recompute_fn(spec: RegionState, tensors, wrt, out_diff, side: list | None = 
 
     # (one it differentiated there, where the function calls autograd itself: requiring grad, as plain code's does, for
     # its torch.autograd.grad of it ("One of the differentiated Tensors does not require grad" until this))
-    needed = [i in held and spec.foreign == "autograd" and spec.inner_rg[i] for i in range(len(tensors))] if held else []
+    needed = {i for i in held if spec.foreign == "autograd" and spec.inner_rg[i]}
 
     def f(*diff_inputs):
         args = replace_at(tensors, wrt, diff_inputs)
         for i in held:
-            args[i] = differentiable_at_top(args[i]) if needed[i] else rewrapped(args[i])
+            args[i] = differentiable_at_top(args[i]) if i in needed else rewrapped(args[i])
         with torch.set_grad_enabled(spec.grad_mode):  # (the caller's mode, as the forward ran it)
             outs = checked_outputs(spec, spec.call(args, None, side is not None, python)[0])
         if side is not None:
